@@ -1,0 +1,1 @@
+"""The local stack of real servers and the supervision of background processes."""
