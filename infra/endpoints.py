@@ -1,0 +1,128 @@
+"""Where workers and the CLI connect: the environment's addresses first, else the local stack's.
+
+Secrets (the Postgres password, S3 keys) are read here, in the process that needs them, and
+never put into workflow inputs or Temporal history.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from infra.settings import StackSettings
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    temporal_address: str
+    temporal_namespace: str
+    database_url: str
+    s3_endpoint: str | None
+    s3_access_key: str | None = field(repr=False)
+    s3_secret_key: str | None = field(repr=False)
+    s3_region: str
+    bucket: str
+    inference_urls: list[str]
+    temporal_ui_url: str | None
+
+
+def resolve_endpoints(settings: StackSettings) -> Endpoints:
+    from infra.postgres import PostgresService
+    from infra.seaweed import SeaweedService
+
+    if settings.external_database_url is not None:
+        database_url = normalise_database_url(settings.external_database_url)
+    else:
+        database_url = PostgresService(settings).database_url()
+    if settings.external_s3_endpoint is not None:
+        key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    else:
+        key, secret = SeaweedService(settings).credentials()
+    return Endpoints(
+        temporal_address=settings.temporal_address,
+        temporal_namespace=settings.temporal_namespace,
+        database_url=database_url,
+        s3_endpoint=settings.s3_endpoint,
+        s3_access_key=key,
+        s3_secret_key=secret,
+        s3_region=os.environ.get("AWS_REGION", "us-east-1"),
+        bucket=settings.bucket,
+        inference_urls=settings.inference_urls(),
+        temporal_ui_url=settings.temporal_ui_url,
+    )
+
+
+def normalise_database_url(url: str) -> str:
+    """SQLAlchemy needs the driver named; accept the plain `postgresql://` form users have."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced, for logs and status lines."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a database URL: show nothing risky
+        return url.split("@")[-1]
+
+
+def check_external(settings: StackSettings) -> list[tuple[str, str, bool, str]]:
+    """(name, address, healthy, detail) for each service configured from outside."""
+    rows: list[tuple[str, str, bool, str]] = []
+    if settings.external_database_url is not None:
+        rows.append(("postgres (external)", redact(settings.external_database_url),
+                     *_probe(lambda: _check_database(normalise_database_url(settings.external_database_url or "")))))
+    if settings.external_s3_endpoint is not None:
+        rows.append(("s3 (external)", settings.s3_endpoint or "AWS S3", *_probe(lambda: _check_s3(settings))))
+    if settings.external_temporal is not None:
+        rows.append(("temporal (external)", settings.external_temporal, *_probe(lambda: _check_temporal(settings))))
+    for url in settings.external_inference_urls:
+        rows.append(("inference (external)", url, *_probe(lambda u=url: _check_http(u + "/health"))))
+    return rows
+
+
+def _probe(check) -> tuple[bool, str]:  # type: ignore[no-untyped-def]
+    try:
+        check()
+        return True, "healthy"
+    except Exception as exc:  # noqa: BLE001 - report any failure as its text
+        return False, f"unhealthy: {type(exc).__name__}: {exc}"
+
+
+def _check_database(url: str) -> None:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+    finally:
+        engine.dispose()
+
+
+def _check_s3(settings: StackSettings) -> None:
+    from storage.object_store import ObjectStore
+
+    ObjectStore.from_endpoints(resolve_endpoints(settings)).check()
+
+
+def _check_temporal(settings: StackSettings) -> None:
+    import asyncio
+
+    from temporalio.client import Client
+
+    async def probe() -> None:
+        client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        await client.service_client.check_health()
+
+    asyncio.run(probe())
+
+
+def _check_http(url: str) -> None:
+    import httpx
+
+    httpx.get(url, timeout=3).raise_for_status()

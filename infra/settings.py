@@ -1,0 +1,133 @@
+"""Where the stack's services live: ports, data directory and external addresses.
+
+Every address can be overridden from the environment so that the same code points at a
+Temporal cluster, a managed Postgres, AWS S3 or GPU vLLM servers instead of the local stack:
+
+| variable | meaning |
+|---|---|
+| `RLPIPE_HOME` | state directory of the local stack (data, logs, pid records) |
+| `TEMPORAL_ADDRESS` | host:port of an external Temporal frontend; the local dev server is not started |
+| `TEMPORAL_NAMESPACE` | Temporal namespace (default `default`) |
+| `DATABASE_URL` | an external Postgres; the embedded one is not started |
+| `S3_ENDPOINT_URL` | an external S3-compatible endpoint; SeaweedFS is not started (empty string = AWS) |
+| `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_REGION` | S3 credentials for an external endpoint |
+| `RLPIPE_BUCKET` | bucket for checkpoints and bulky data |
+| `INFERENCE_URLS` | comma-separated base URLs of external vLLM servers; local ones are not started |
+
+A TOML file (`RLPIPE_CONFIG`, default `rlpipe.toml` in the working directory) may hold a
+`[stack]` table with the same fields as `StackSettings`; environment variables win over it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+LOOPBACK = "127.0.0.1"
+
+
+class StackSettings(BaseModel):
+    """Ports and paths of the local stack. Defaults avoid the well-known ports of the same
+    services (7233, 5432, 8333, 8000) so that a developer's own servers do not collide."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    home: Path = Path(".rlpipe")
+    """State directory: one sub-directory per service with its data and log."""
+    host: str = LOOPBACK
+    """Address every local service binds to. Keep loopback unless you know why not."""
+
+    temporal_port: int = Field(17233, ge=1, le=65535)
+    """Temporal frontend gRPC port."""
+    temporal_ui_port: int = Field(18233, ge=1, le=65535)
+    """Temporal Web UI port."""
+    temporal_http_port: int = Field(17243, ge=1, le=65535)
+    """Temporal HTTP API port."""
+    temporal_metrics_port: int = Field(17244, ge=1, le=65535)
+    """Temporal server's Prometheus metrics port."""
+    temporal_namespace: str = "default"
+
+    postgres_port: int = Field(15432, ge=1, le=65535)
+    """Embedded PostgreSQL port."""
+    postgres_db: str = "rlpipe"
+
+    s3_port: int = Field(18333, ge=1, le=65535)
+    """SeaweedFS S3 gateway port (its master, volume and filer use the next ports, see `seaweed.py`)."""
+    seaweed_base_port: int = Field(19330, ge=1, le=65000)
+    """First of the 8 consecutive internal SeaweedFS ports (master, volume, filer and their gRPC)."""
+    bucket: str = "rlpipe"
+
+    inference_servers: int = Field(0, ge=0, le=16)
+    """Local vLLM servers the stack starts (0 = none; `rlpipe stack up --inference N`)."""
+    inference_base_port: int = Field(18100, ge=1, le=65000)
+    """Port of the first local vLLM server; server i listens on base + i."""
+    inference_model: Path | None = None
+    """Model directory the local vLLM servers load at start."""
+
+    external_temporal: str | None = None
+    external_database_url: str | None = None
+    external_s3_endpoint: str | None = None
+    external_inference_urls: list[str] = Field(default_factory=list)
+
+    @property
+    def temporal_address(self) -> str:
+        return self.external_temporal or f"{self.host}:{self.temporal_port}"
+
+    @property
+    def temporal_ui_url(self) -> str | None:
+        return None if self.external_temporal else f"http://{self.host}:{self.temporal_ui_port}"
+
+    @property
+    def s3_endpoint(self) -> str | None:
+        """None means AWS's own endpoint (S3_ENDPOINT_URL set to the empty string)."""
+        if self.external_s3_endpoint is not None:
+            return self.external_s3_endpoint or None
+        return f"http://{self.host}:{self.s3_port}"
+
+    def inference_urls(self) -> list[str]:
+        if self.external_inference_urls:
+            return list(self.external_inference_urls)
+        return [f"http://{self.host}:{self.inference_base_port + i}" for i in range(self.inference_servers)]
+
+    def service_dir(self, name: str) -> Path:
+        return (self.home / name).resolve()
+
+
+class SettingsError(ValueError):
+    """The stack settings file or environment holds a bad value; the message names it."""
+
+
+_ENV_FIELDS = {
+    "RLPIPE_HOME": "home",
+    "TEMPORAL_ADDRESS": "external_temporal",
+    "TEMPORAL_NAMESPACE": "temporal_namespace",
+    "DATABASE_URL": "external_database_url",
+    "S3_ENDPOINT_URL": "external_s3_endpoint",
+    "RLPIPE_BUCKET": "bucket",
+}
+
+
+def load_settings(config_file: Path | None = None, env: dict[str, str] | None = None) -> StackSettings:
+    """Settings from the TOML file's `[stack]` table, then the environment on top."""
+    env = dict(os.environ if env is None else env)
+    path = config_file or Path(env.get("RLPIPE_CONFIG", "rlpipe.toml"))
+    values: dict[str, object] = {}
+    if path.exists():
+        try:
+            values.update(tomllib.loads(path.read_text()).get("stack", {}))
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
+    for var, field in _ENV_FIELDS.items():
+        if var in env:
+            values[field] = env[var]
+    if env.get("INFERENCE_URLS"):
+        values["external_inference_urls"] = [u.strip() for u in env["INFERENCE_URLS"].split(",") if u.strip()]
+    try:
+        return StackSettings.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise SettingsError(f"stack setting '{field}' ({path} or environment): {first['msg']}") from exc

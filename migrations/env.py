@@ -1,0 +1,37 @@
+"""Alembic environment: the one metadata from `schemas.tables`, no connection pool, short
+timeouts, and a Postgres advisory lock so two processes never migrate at once."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import context
+
+from schemas.tables import Base
+
+MIGRATION_LOCK = 7_231_001  # arbitrary advisory-lock id owned by rlpipe migrations
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def run_migrations_online() -> None:
+    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.connect() as connection:
+        connection.execute(sa.text("set lock_timeout = '10s'"))
+        connection.execute(sa.text("set statement_timeout = '120s'"))
+        connection.execute(sa.text("select pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+        connection.commit()
+        try:
+            context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
+            with context.begin_transaction():
+                context.run_migrations()
+        finally:
+            connection.execute(sa.text("select pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
+            connection.commit()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    raise SystemExit("offline (SQL script) migrations are not supported; run `rlpipe db upgrade`")
+run_migrations_online()

@@ -1,0 +1,1 @@
+"""Shapes only: run configuration (pydantic), workflow/activity payloads (dataclasses), tables."""
