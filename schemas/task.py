@@ -1,0 +1,191 @@
+"""Configuration of the task side of a run: which environment the policy acts in, and how it is graded.
+
+Shapes only: no ML imports. The environment name is checked against `envs.registry` lazily (inside
+the validator), so importing this module stays cheap and free of import cycles.
+"""
+
+import re
+import string
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ArithmeticOperator = Literal["+", "-", "*"]
+
+
+class ArithmeticDifficulty(BaseModel):
+    """Knobs of the arithmetic and calculator question generator."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    num_operands: int = Field(2, ge=2, le=8)
+    """Numbers per question; questions use the usual precedence (* before + and -)."""
+    min_digits: int = Field(1, ge=1, le=12)
+    """Fewest digits of each operand (1 allows 0..9)."""
+    max_digits: int = Field(2, ge=1, le=12)
+    """Most digits of each operand; multi-digit products are what makes the calculator worth calling."""
+    operators: tuple[ArithmeticOperator, ...] = ("+", "-")
+    """Operators drawn uniformly between operands; add '*' for products. Division is left out so
+    every answer is an integer."""
+
+    @model_validator(mode="after")
+    def _digits_ordered(self) -> "ArithmeticDifficulty":
+        if self.min_digits > self.max_digits:
+            raise ValueError(
+                f"difficulty.min_digits ({self.min_digits}) is above difficulty.max_digits "
+                f"({self.max_digits}): lower min_digits or raise max_digits"
+            )
+        if not self.operators:
+            raise ValueError("difficulty.operators is empty: name at least one of '+', '-', '*'")
+        return self
+
+
+class EnvConfig(BaseModel):
+    """Which environment a run uses and how its prompt sets are drawn."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str = "arithmetic"
+    """Registered environment: 'arithmetic', 'calculator', 'code', or one added with
+    `envs.registry.register_environment`."""
+    seed: int = 0
+    """Seed of the prompt sets; the same seed gives the same train and eval questions in every process."""
+    train_size: int = Field(10_000, ge=1)
+    """Number of train prompts (indices 0..train_size-1)."""
+    eval_size: int = Field(200, ge=0)
+    """Number of eval prompts; no eval question ever appears in the train set."""
+    difficulty: ArithmeticDifficulty | None = None
+    """Question knobs for 'arithmetic' and 'calculator', replacing the environment's default as a whole;
+    None keeps the default (arithmetic: 2 operands of 1-2 digits with + and -; calculator: 3 operands
+    of 2-3 digits with +, - and *)."""
+    max_turns: int | None = Field(None, ge=1, le=64)
+    """Model turns per episode; None takes the environment's default (arithmetic 1, calculator 4, code 3)."""
+    max_tool_calls_per_turn: int = Field(4, ge=1, le=64)
+    """Tool calls run per model turn; further calls in the same turn get an error observation."""
+    max_observation_chars: int = Field(2000, ge=64)
+    """Longest tool observation fed back to the model; longer output keeps its head and tail."""
+    tool_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """Wall-clock limit of one sandboxed tool run (the code environment's python tool)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_registered(cls, name: str) -> str:
+        from envs.registry import known_environments  # lazy: envs imports this module
+
+        known = known_environments()
+        if name not in known:
+            raise ValueError(
+                f"env.name {name!r} is not a registered environment: use one of {', '.join(known)} "
+                "or register yours with envs.registry.register_environment"
+            )
+        return name
+
+
+DEFAULT_JUDGE_TEMPLATE = """You are grading a response to a task.
+
+Task:
+{question}
+
+Reference answer:
+{reference}
+
+Response:
+{response}
+
+Rate how correct the response is on a scale from 0 to 10.
+End your reply with one line of the form: SCORE: <number>"""
+
+JUDGE_TEMPLATE_FIELDS = frozenset({"question", "reference", "response"})
+
+
+class JudgeConfig(BaseModel):
+    """How the model-based grader reaches its judge and reads the verdict."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    base_url: str
+    """Address of any OpenAI-compatible server, with or without the trailing /v1
+    (e.g. a vLLM server's URL); never assumed to be local."""
+    model: str
+    """Model name sent in the request body."""
+    api: Literal["chat", "completions"] = "chat"
+    """chat: POST /v1/chat/completions with one user message; completions: POST /v1/completions."""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """str.format template; may use {question}, {reference} and {response} (the latter is required)."""
+    score_pattern: str = r"SCORE:\s*(-?\d+(?:\.\d+)?)"
+    """Regex with one group capturing the number; the last match in the judge's text counts."""
+    max_score: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """The judge's top score; the reward is the captured number divided by this, so it lies in [0, 1]."""
+    max_tokens: int = Field(512, ge=1)
+    """Generation limit of the judge's reply."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding a bearer token, for hosted endpoints; None sends none."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _url_has_scheme(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"judge.base_url {url!r} has no scheme: write it as http://host:port[/v1]")
+        return url
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_fields(cls, template: str) -> str:
+        used = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        unknown = used - JUDGE_TEMPLATE_FIELDS
+        if unknown:
+            raise ValueError(
+                f"judge.prompt_template uses unknown fields {sorted(unknown)}: only "
+                f"{{question}}, {{reference}} and {{response}} are filled (double other braces: {{{{ }}}})"
+            )
+        if "response" not in used:
+            raise ValueError("judge.prompt_template never shows the response: add {response}")
+        return template
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _pattern_has_one_group(cls, pattern: str) -> str:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as e:
+            raise ValueError(f"judge.score_pattern is not a valid regex ({e}): fix the pattern") from e
+        if groups != 1:
+            raise ValueError(
+                f"judge.score_pattern has {groups} groups: it needs exactly one, capturing the number"
+            )
+        return pattern
+
+
+class GraderConfig(BaseModel):
+    """Which grader turns a response into a reward, and how hard it may be driven."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str | None = None
+    """A registered grader ('answer_match', 'code_tests', 'judge'); None uses the environment's rubric."""
+    judge: JudgeConfig | None = None
+    """Judge endpoint and parsing; required when the judge grades (name 'judge')."""
+    concurrency: int = Field(8, ge=1)
+    """Gradings one grader instance runs at once (judge requests, sandboxed test runs)."""
+    timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    """Limit of one judge request or one sandboxed test run."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_registered(cls, name: str | None) -> str | None:
+        from graders.registry import known_graders  # lazy: keeps schemas free of grader imports
+
+        if name is not None and name not in known_graders():
+            raise ValueError(
+                f"grader.name {name!r} is not a registered grader: use one of "
+                f"{', '.join(known_graders())}, or None for the environment's rubric"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _judge_configured(self) -> "GraderConfig":
+        if self.name == "judge" and self.judge is None:
+            raise ValueError(
+                "grader.judge is required when grader.name is 'judge': set judge.base_url and judge.model"
+            )
+        return self
