@@ -66,6 +66,13 @@ class StackSettings(BaseModel):
     """Port of the first local vLLM server; server i listens on base + i."""
     inference_model: Path | None = None
     """Model directory the local vLLM servers load at start."""
+    inference_max_model_len: int | None = Field(None, ge=64)
+    """Context length of the local vLLM servers; None takes the model's own (max_position_embeddings).
+    A run's model.max_model_len must fit in it."""
+
+    metrics_base_port: int = Field(9100, ge=0, le=65000)
+    """Workers serve Prometheus metrics at fixed offsets from this port (observe/metrics.py,
+    infra/prometheus.yml); 0 lets each worker pick a free port (tests)."""
 
     external_temporal: str | None = None
     external_database_url: str | None = None
@@ -110,11 +117,28 @@ _ENV_FIELDS = {
 }
 
 
+SAVED_SETTINGS = "settings.json"
+"""Written by `rlpipe stack up` into the state directory: what the running stack was started with
+(e.g. `--inference 2`), so that workers and later commands find the same servers."""
+
+
+def save_settings(settings: StackSettings) -> None:
+    home = settings.home.resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / SAVED_SETTINGS).write_text(settings.model_dump_json(indent=2, exclude_unset=True))
+
+
 def load_settings(config_file: Path | None = None, env: dict[str, str] | None = None) -> StackSettings:
-    """Settings from the TOML file's `[stack]` table, then the environment on top."""
+    """Settings saved by the running stack, then the TOML file's `[stack]` table, then the
+    environment on top."""
     env = dict(os.environ if env is None else env)
     path = config_file or Path(env.get("RLPIPE_CONFIG", "rlpipe.toml"))
     values: dict[str, object] = {}
+    saved = Path(env.get("RLPIPE_HOME", ".rlpipe")) / SAVED_SETTINGS
+    if saved.exists():
+        values.update(StackSettings.model_validate_json(saved.read_text()).model_dump(
+            exclude={"external_temporal", "external_database_url", "external_s3_endpoint",
+                     "external_inference_urls"}))
     if path.exists():
         try:
             values.update(tomllib.loads(path.read_text()).get("stack", {}))

@@ -17,7 +17,7 @@ from infra.postgres import PostgresService
 from infra.process import ProcessTable, port_holder, spawn, stop
 from infra.seaweed import SeaweedService
 from infra.service import HealthError, Service
-from infra.settings import StackSettings
+from infra.settings import StackSettings, save_settings
 from infra.temporal import TemporalService
 
 
@@ -74,6 +74,7 @@ class Stack:
 
     # -- up ---------------------------------------------------------------------------------
     def up(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+        save_settings(self.settings)
         for svc in self.services():
             if only and svc.name not in only:
                 continue

@@ -223,6 +223,8 @@ class Turn(Base):
     server: Mapped[str | None]
     version_before: Mapped[int | None]
     version_after: Mapped[int | None]
+    version_spans: Mapped[list[Any] | None]
+    """[[version, first, end), ...] over output_ids; two spans when a sync happened mid-request."""
     generate_latency_s: Mapped[float] = mapped_column(Float)
     tool_calls: Mapped[list[Any] | None]
     """What the environment parsed from the output: tool calls with their results and latency."""
@@ -330,6 +332,9 @@ class SyncEvent(Base):
     verify_s: Mapped[float | None] = mapped_column(Float)
     total_s: Mapped[float | None] = mapped_column(Float)
     probe_max_abs_diff: Mapped[float | None] = mapped_column(Float)
+    """Largest |server - trainer| logprob on the probe tokens after loading."""
+    greedy_match: Mapped[bool | None]
+    """Whether the server's greedy continuation of the probe equals the trainer's."""
     error: Mapped[str | None]
     started_at: Mapped[datetime]
     finished_at: Mapped[datetime]
@@ -355,5 +360,53 @@ class Failure(Base):
     attempt: Mapped[int] = mapped_column(server_default="1")
     error_type: Mapped[str] = mapped_column(Text)
     message: Mapped[str] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None]
+    created_at: Mapped[created_at]
+
+
+class ActivitySpan(Base):
+    """When each activity ran, on which box and worker: the busy/idle timeline of the pipeline."""
+
+    __tablename__ = "activity_spans"
+    __table_args__ = (
+        UniqueConstraint("workflow_id", "activity_id", "attempt"),
+        CheckConstraint("finished_at >= started_at", name="time_order"),
+        CheckConstraint("attempt >= 1", name="attempt_positive"),
+        Index("ix_activity_spans_run_box", "run_id", "box", "started_at"),
+    )
+
+    id: Mapped[id_pk]
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    box: Mapped[str] = mapped_column(Text)
+    """rollout, sandbox, grader, trainer, sync or persist."""
+    activity: Mapped[str] = mapped_column(Text)
+    workflow_id: Mapped[str] = mapped_column(Text)
+    activity_id: Mapped[str] = mapped_column(Text)
+    attempt: Mapped[int]
+    worker: Mapped[str] = mapped_column(Text)
+    """host:pid of the worker process that ran it."""
+    ok: Mapped[bool]
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime]
+
+
+class EvalResult(Base):
+    """Held-out accuracy of one published version (greedy decoding through an inference server)."""
+
+    __tablename__ = "eval_results"
+    __table_args__ = (
+        UniqueConstraint("run_id", "version", "split"),
+        CheckConstraint("n_prompts >= 1 and n_correct >= 0 and n_correct <= n_prompts", name="counts_valid"),
+        CheckConstraint("accuracy >= 0 and accuracy <= 1", name="accuracy_range"),
+    )
+
+    id: Mapped[id_pk]
+    run_id: Mapped[run_fk]
+    version: Mapped[int]
+    split: Mapped[str] = mapped_column(Text)
+    n_prompts: Mapped[int]
+    n_correct: Mapped[int]
+    accuracy: Mapped[float] = mapped_column(Float)
+    mean_reward: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any] | None]
     created_at: Mapped[created_at]

@@ -91,3 +91,59 @@ def object_store(endpoints: Endpoints):  # type: ignore[no-untyped-def]
     from storage.object_store import ObjectStore
 
     return ObjectStore.from_endpoints(endpoints)
+
+
+@pytest.fixture(scope="session")
+async def temporal_client(endpoints: Endpoints):  # type: ignore[no-untyped-def]
+    from workers.common import connect
+
+    return await connect(endpoints)
+
+
+@pytest.fixture
+async def clean_workflows(temporal_client):  # type: ignore[no-untyped-def]
+    """Terminate the workflows a test leaves running (abandoned rollout groups of a cancelled run,
+    say), so that the next test's workers on the same task queues never see them."""
+    yield
+    from temporalio.client import WorkflowExecutionStatus
+
+    async for wf in temporal_client.list_workflows("ExecutionStatus = 'Running'"):
+        if wf.status == WorkflowExecutionStatus.RUNNING:
+            try:
+                await temporal_client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test cleanup")
+            except Exception:  # noqa: BLE001 - it finished meanwhile
+                pass
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny test model (built once, ~15 s, reused across sessions through the cache dir)."""
+    from policy.models import prepare_tiny
+
+    cache = Path(os.environ.get("RLPIPE_TEST_CACHE", Path.home() / ".cache" / "rlpipe-test"))
+    return prepare_tiny(cache / "models" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def inference_servers(stack: Stack, tiny_model: Path) -> list[str]:
+    """One real vLLM server with the tiny model, on the session stack; its URL."""
+    from infra.settings import save_settings
+
+    stack.settings.inference_servers = 1
+    stack.settings.inference_model = tiny_model
+    save_settings(stack.settings)
+    for svc in stack.services():
+        if svc.name.startswith("inference-"):
+            stack.start(svc, progress=lambda msg: None)
+    return stack.settings.inference_urls()
+
+
+@pytest.fixture(scope="session")
+def pipeline_workers(stack: Stack, inference_servers: list[str]):  # type: ignore[no-untyped-def]
+    """The real worker processes (rollout, sandbox, grader, trainer, sync sidecar) on the stack."""
+    from workers.launcher import WorkerSet
+
+    workers = WorkerSet(stack.settings)
+    workers.up(progress=lambda msg: None)
+    yield workers
+    workers.down(progress=lambda msg: None)

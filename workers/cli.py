@@ -131,6 +131,142 @@ def cmd_db_current(args: argparse.Namespace) -> None:
     command.current(_alembic(args), verbose=args.verbose)
 
 
+# -- model ---------------------------------------------------------------------------------------
+def cmd_model_prepare(args: argparse.Namespace) -> None:
+    from infra.settings import load_settings
+
+    home = load_settings(args.config).home.resolve()
+    from policy.models import prepare_smollm2, prepare_tiny
+
+    if args.which in ("tiny", "all"):
+        console.print(f"tiny test model: {prepare_tiny(home / 'models' / 'tiny')}")
+    if args.which in ("smollm2", "all"):
+        console.print(f"SmolLM2-135M-Instruct (fp32 safetensors): {prepare_smollm2(home / 'models' / 'smollm2')}")
+
+
+# -- workers -------------------------------------------------------------------------------------
+def _workers(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from infra.settings import load_settings
+    from workers.launcher import WorkerSet
+
+    return WorkerSet(load_settings(args.config))
+
+
+def cmd_workers_up(args: argparse.Namespace) -> None:
+    _workers(args).up(only=args.workers or None, progress=lambda msg: console.print(f"  {msg}"))
+
+
+def cmd_workers_down(args: argparse.Namespace) -> None:
+    _workers(args).down(only=args.workers or None, progress=lambda msg: console.print(f"  {msg}"))
+
+
+def cmd_workers_status(args: argparse.Namespace) -> None:
+    table = Table(title="rlpipe workers")
+    for col in ("worker", "pid", "log"):
+        table.add_column(col)
+    workers = _workers(args)
+    for name, record in workers.status().items():
+        table.add_row(name, str(record.pid) if record else "[red]not running[/]", str(workers.log(name)))
+    console.print(table)
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    from workers.main import main as worker_main
+
+    worker_main([args.kind] + (["--server", args.server] if args.server else []))
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def _client():  # type: ignore[no-untyped-def]
+    from workers.common import connect, endpoints
+
+    return connect(endpoints())
+
+
+def cmd_run_start(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from schemas.config import load_run_config
+    from workers import run_commands
+
+    overrides = {"name": args.name} if args.name else {}
+    config = load_run_config(args.config_file, overrides)  # a bad config stops here, before any run
+
+    async def go() -> None:
+        client = await _client()
+        handle = await run_commands.start_run(client, config)
+        console.print(f"run [bold]{config.name}[/] started: workflow {handle.id}")
+        from infra.settings import load_settings
+
+        ui = load_settings(args.config).temporal_ui_url
+        if ui:
+            console.print(f"Temporal UI: {ui}/namespaces/default/workflows/{handle.id}")
+        if args.watch:
+            closed = await run_commands.watch(client, config.name)
+            console.print(f"run {config.name}: {closed.name.lower()}")
+            if closed.name != "COMPLETED":
+                raise SystemExit(1)
+
+    asyncio.run(go())
+
+
+def _run_call(fn):  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async def go():  # type: ignore[no-untyped-def]
+        return await fn(await _client())
+
+    return asyncio.run(go())
+
+
+def cmd_run_status(args: argparse.Namespace) -> None:
+    from workers import run_commands
+
+    if args.watch:
+        closed = _run_call(lambda c: run_commands.watch(c, args.run))
+        console.print(f"run {args.run}: {closed.name.lower()}")
+        return
+    console.print(run_commands.status_table(_run_call(lambda c: run_commands.run_status(c, args.run))))
+
+
+def cmd_run_pause(args: argparse.Namespace) -> None:
+    from workers import run_commands
+
+    console.print(run_commands.status_table(_run_call(lambda c: run_commands.pause(c, args.run, args.reason))))
+
+
+def cmd_run_resume(args: argparse.Namespace) -> None:
+    from workers import run_commands
+
+    console.print(run_commands.status_table(_run_call(lambda c: run_commands.resume(c, args.run))))
+
+
+def cmd_run_schedule(args: argparse.Namespace) -> None:
+    from schemas.payloads import ScheduleUpdate
+    from workers import run_commands
+
+    update = ScheduleUpdate(sync_interval=args.sync_interval, max_staleness=args.max_staleness)
+    console.print(run_commands.status_table(_run_call(lambda c: run_commands.set_schedule(c, args.run, update))))
+
+
+def cmd_run_cancel(args: argparse.Namespace) -> None:
+    from workers import run_commands
+
+    _run_call(lambda c: run_commands.cancel(c, args.run))
+    console.print(f"run {args.run}: cancellation requested")
+
+
+def cmd_run_list(args: argparse.Namespace) -> None:
+    from workers import run_commands
+
+    table = Table(title="runs")
+    for col in ("workflow", "status", "started"):
+        table.add_column(col)
+    for row in _run_call(run_commands.list_runs):
+        table.add_row(*row)
+    console.print(table)
+
+
 # -- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description=__doc__)
@@ -163,6 +299,39 @@ def build_parser() -> argparse.ArgumentParser:
     command(db, "downgrade", cmd_db_downgrade, "revert migrations").add_argument("revision", nargs="?", default="-1")
     command(db, "current", cmd_db_current, "show the applied revision").add_argument("-v", "--verbose",
                                                                                       action="store_true")
+    model = groups.add_parser("model", help="model files").add_subparsers(dest="cmd", required=True)
+    prepare = command(model, "prepare", cmd_model_prepare,
+                      "build the tiny test model and/or convert SmolLM2-135M-Instruct to safetensors")
+    prepare.add_argument("which", nargs="?", choices=["tiny", "smollm2", "all"], default="all")
+
+    workers = groups.add_parser("workers", help="the worker processes").add_subparsers(dest="cmd", required=True)
+    for name, fn, text in (("up", cmd_workers_up, "start rollout, sandbox, grader, trainer and sync workers"),
+                           ("down", cmd_workers_down, "stop the workers `workers up` started")):
+        command(workers, name, fn, text).add_argument("workers", nargs="*", help="only these workers")
+    command(workers, "status", cmd_workers_status, "which workers are running")
+    worker = groups.add_parser("worker", help="run one worker in the foreground")
+    worker.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar"])
+    worker.add_argument("--server", help="sidecar only: the inference server id")
+    worker.set_defaults(fn=cmd_worker)
+
+    run = groups.add_parser("run", help="training runs").add_subparsers(dest="cmd", required=True)
+    start = command(run, "start", cmd_run_start, "validate a run config (TOML) and start the run")
+    start.add_argument("config_file", type=Path)
+    start.add_argument("--name", help="run name (overrides the config's)")
+    start.add_argument("--watch", action="store_true", help="show live progress until the run ends")
+    status = command(run, "status", cmd_run_status, "the run's state (or --watch its progress)")
+    status.add_argument("run")
+    status.add_argument("--watch", action="store_true")
+    pause = command(run, "pause", cmd_run_pause, "stop starting rollouts and train steps")
+    pause.add_argument("run")
+    pause.add_argument("--reason", default="paused by user")
+    command(run, "resume", cmd_run_resume, "resume a paused run").add_argument("run")
+    schedule = command(run, "schedule", cmd_run_schedule, "change sync interval / max staleness of a running run")
+    schedule.add_argument("run")
+    schedule.add_argument("--sync-interval", type=int)
+    schedule.add_argument("--max-staleness", type=int)
+    command(run, "cancel", cmd_run_cancel, "cancel a run").add_argument("run")
+    command(run, "list", cmd_run_list, "runs known to Temporal")
     return parser
 
 
@@ -177,7 +346,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from infra.settings import SettingsError
         from infra.stack import StackError
 
-        if isinstance(exc, StackError | SettingsError):
+        from schemas.config import ConfigError
+        from workers.launcher import WorkerStartError
+        from workers.run_commands import RunCommandError
+
+        if isinstance(exc, StackError | SettingsError | ConfigError | RunCommandError | WorkerStartError):
             console.print(f"[red]error:[/] {exc}")
             sys.exit(2)
         raise

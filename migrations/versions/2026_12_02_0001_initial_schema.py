@@ -324,6 +324,7 @@ def upgrade() -> None:
     sa.Column('server', sa.Text(), nullable=True),
     sa.Column('version_before', sa.Integer(), nullable=True),
     sa.Column('version_after', sa.Integer(), nullable=True),
+    sa.Column('version_spans', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('generate_latency_s', sa.Float(), nullable=False),
     sa.Column('tool_calls', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('tool_latency_s', sa.Float(), nullable=True),

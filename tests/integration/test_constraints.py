@@ -33,6 +33,9 @@ insert into sync_events (run_id, version, server, status, bytes, started_at, fin
     values ('ck', 0, 's0', 'ok', 10, now(), now());
 insert into failures (run_id, kind, workflow_id, activity_id, attempt, error_type, message)
     values ('ck', 'grade', 'wf', 'a1', 1, 'ValueError', 'boom');
+insert into activity_spans (run_id, box, activity, workflow_id, activity_id, attempt, worker, ok, started_at, finished_at)
+    values ('ck', 'rollout', 'generate', 'wf', 'a1', 1, 'h:1', true, now(), now());
+insert into eval_results (run_id, version, split, n_prompts, n_correct, accuracy) values ('ck', 0, 'eval', 10, 3, 0.3);
 """
 
 RUN = "insert into runs (id, workflow_id, mode, config, config_sha256) values ({id}, {wf}, {mode}, '{{}}', '" + SHA + "')"
@@ -53,6 +56,10 @@ STEP = ("insert into train_steps (run_id, step, policy_version, n_groups, n_traj
         "staleness_max, started_at, finished_at) values ('ck', {step}, 0, {ng}, 1, 1, {loss}, {smax}, now(), {fin})")
 SYNC = ("insert into sync_events (run_id, version, server, status, bytes, attempts, started_at, finished_at) "
         "values ('ck', {v}, {server}, {status}, {bytes}, {attempts}, now(), now())")
+SPAN = ("insert into activity_spans (run_id, box, activity, workflow_id, activity_id, attempt, worker, ok, "
+        "started_at, finished_at) values ('ck', 'rollout', 'generate', 'wf', {act}, {attempt}, 'h:1', true, now(), {fin})")
+EVAL = ("insert into eval_results (run_id, version, split, n_prompts, n_correct, accuracy) "
+        "values ('ck', {v}, 'eval', {n}, {correct}, {acc})")
 FAIL = ("insert into failures (run_id, kind, workflow_id, activity_id, attempt, error_type, message) "
         "values ('ck', 'grade', {wf}, {act}, {attempt}, 'E', 'm')")
 
@@ -123,6 +130,12 @@ CASES: list[tuple[str, str]] = [
     ("ck_sync_events_attempts_positive", SYNC.format(v=0, server="'s1'", status="'ok'", bytes=1, attempts=0)),
     ("uq_failures_workflow_id_activity_id_attempt", FAIL.format(wf="'wf'", act="'a1'", attempt=1)),
     ("ck_failures_attempt_positive", FAIL.format(wf="'wf'", act="'a2'", attempt=0)),
+    ("uq_activity_spans_workflow_id_activity_id_attempt", SPAN.format(act="'a1'", attempt=1, fin="now()")),
+    ("ck_activity_spans_time_order", SPAN.format(act="'a2'", attempt=1, fin="now() - interval '1 second'")),
+    ("ck_activity_spans_attempt_positive", SPAN.format(act="'a2'", attempt=0, fin="now()")),
+    ("uq_eval_results_run_id_version_split", EVAL.format(v=0, n=10, correct=1, acc=0.1)),
+    ("ck_eval_results_counts_valid", EVAL.format(v=1, n=10, correct=11, acc=1)),
+    ("ck_eval_results_accuracy_range", EVAL.format(v=1, n=10, correct=5, acc=1.5)),
     ("fk_trajectories_group_id_rollout_groups",
      "insert into trajectories (run_id, group_id, sample_index) values ('ck', 123456789, 0)"),
 ]

@@ -1,0 +1,45 @@
+"""Run registration, run status and the failure log (workflow queue; database only)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+
+from schemas.config import RunConfig
+from schemas.payloads import FailureRecord, RegisterRunResult, RunStatusUpdate
+from storage.db import Database
+from storage.runs import record_failure, register_run, set_run_status
+
+
+class BookkeepingActivities:
+    def __init__(self, db: Database, servers: list[str]) -> None:
+        self.db = db
+        self.servers = servers
+
+    @activity.defn(name="register_run")
+    async def register_run(self, config: RunConfig) -> RegisterRunResult:
+        def write() -> None:
+            with self.db.begin() as s:
+                register_run(s, config)
+
+        await asyncio.to_thread(write)
+        return RegisterRunResult(servers=self.servers)
+
+    @activity.defn(name="set_run_status")
+    async def set_run_status(self, update: RunStatusUpdate) -> None:
+        def write() -> None:
+            with self.db.begin() as s:
+                set_run_status(s, update.run_id, update.status, update.reason)
+
+        await asyncio.to_thread(write)
+
+    @activity.defn(name="record_failure")
+    async def record_failure(self, record: FailureRecord) -> None:
+        def write() -> None:
+            with self.db.begin() as s:
+                record_failure(s, run_id=record.run_id, kind=record.kind, error_type=record.error_type,
+                               message=record.message, workflow_id=record.workflow_id,
+                               activity_id=record.activity_id, details=dict(record.details))
+
+        await asyncio.to_thread(write)

@@ -1,0 +1,127 @@
+"""Rollout activities (rollout queue): open a group, generate one model turn, close the group."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+
+from activities.common import heartbeating, instrumented
+from inference.client import InferenceClient
+from observe.metrics import METRICS
+from infra.inference import SERVED_MODEL_NAME
+from rl.advantages import compute_advantages
+from rollout.assemble import assemble
+from rollout.context import RunContexts
+from rollout.generation import plan_turn, sample_turn, turn_row
+from rollout.tokens import request_seed
+from schemas.payloads import (
+    FinishGroupInput,
+    GenerateInput,
+    GenerateResult,
+    GroupSummary,
+    StartGroupInput,
+    StartGroupResult,
+)
+from storage import buffer
+from storage.db import Database
+
+
+class RolloutActivities:
+    def __init__(self, db: Database, contexts: RunContexts, servers: dict[str, str]) -> None:
+        self.db = db
+        self.contexts = contexts
+        self.servers = servers
+        """server id -> base URL"""
+        self._clients: dict[tuple[str, str], InferenceClient] = {}
+
+    def client(self, server: str, model: str) -> InferenceClient:
+        key = (server, model)
+        if key not in self._clients:
+            # the token route: exact weight-version spans per token (a sync may happen mid-request)
+            self._clients[key] = InferenceClient(self.servers[server], model, route="generate")
+        return self._clients[key]
+
+    @activity.defn(name="start_group")
+    @instrumented("persist", "rollout")
+    async def start_group(self, inp: StartGroupInput) -> StartGroupResult:
+        ctx = self.contexts.get(inp.run_id)
+        task = ctx.env.task("train", inp.group_index % ctx.env.size("train"))
+        from policy.chat import chat_prompt_ids
+
+        prompt_ids = chat_prompt_ids(ctx.tokenizer, ctx.env.initial_messages(task))
+
+        def write() -> list[int]:
+            with self.db.begin() as s:
+                return buffer.start_group(s, run_id=inp.run_id, group_index=inp.group_index, prompt_index=task.index,
+                                          task_id=task.id, workflow_id=inp.workflow_id, n_samples=inp.n_samples,
+                                          prompt_ids=prompt_ids)
+
+        return StartGroupResult(trajectory_ids=await asyncio.to_thread(write), task_id=task.id)
+
+    @activity.defn(name="generate")
+    @instrumented("rollout", "generate")
+    async def generate(self, inp: GenerateInput) -> GenerateResult:
+        ctx = self.contexts.get(inp.run_id)
+
+        def load() -> buffer.TrajectoryContext:
+            with self.db.begin() as s:
+                return buffer.trajectory_context(s, inp.trajectory_id)
+
+        trajectory = await asyncio.to_thread(load)
+        if inp.turn_index < len(trajectory.turns):  # done before a crash: never generated again
+            return _summary(trajectory.turns[inp.turn_index], ctx.env.max_turns)
+        task = ctx.env.task("train", trajectory.prompt_index)
+        plan = plan_turn(trajectory, inp.turn_index, ctx.env, ctx.tokenizer)
+        seed = request_seed(ctx.config.sampling.seed, inp.run_id, trajectory.group_index, trajectory.sample_index,
+                            inp.turn_index)
+        completion, latency = await heartbeating(sample_turn(
+            self.client(inp.server, SERVED_MODEL_NAME), plan, ctx.config, ctx.env, ctx.tokenizer, seed))
+        row = turn_row(trajectory, inp.turn_index, plan, completion, latency, inp.server, ctx.env, task,
+                       last_turn=inp.turn_index + 1 >= ctx.env.max_turns)
+
+        def save():  # type: ignore[no-untyped-def]
+            with self.db.begin() as s:
+                return buffer.save_turn(s, row)
+
+        turn = await asyncio.to_thread(save)
+        METRICS.observe_generation(inp.run_id, len(turn.output_ids))
+        return _summary(turn, ctx.env.max_turns)
+
+    @activity.defn(name="finish_group")
+    @instrumented("persist", "persist")
+    async def finish_group(self, inp: FinishGroupInput) -> GroupSummary:
+        ctx = self.contexts.get(inp.run_id)
+        advantages = _group_advantages(inp.rewards, ctx.config)
+
+        def write() -> GroupSummary:
+            with self.db.begin() as s:
+                samples = []
+                for trajectory_id, reward, advantage in zip(inp.trajectory_ids, inp.rewards, advantages, strict=True):
+                    turns = buffer.trajectory_context(s, trajectory_id).turns
+                    samples.append(buffer.FinishedSample(
+                        trajectory_id, reward, advantage, assemble([buffer.turn_tokens(t) for t in turns]),
+                        turns[-1].finish_reason, len(turns)))
+                group = buffer.finish_group(s, run_id=inp.run_id, group_index=inp.group_index, samples=samples,
+                                            discarded_ids=inp.discarded_ids, status=inp.status, reason=inp.reason)
+                return GroupSummary(group.group_index, group.status, group.min_version, group.n_completed,
+                                    group.reward_mean, group.status_reason)
+
+        summary = await asyncio.to_thread(write)
+        METRICS.observe_group(inp.run_id, summary.status, ["completed"] * summary.n_samples)
+        return summary
+
+
+def _group_advantages(rewards: list[float], config) -> list[float | None]:  # type: ignore[no-untyped-def]
+    """Group-relative advantages, computed once when the group completes. A batch-level estimator
+    (batch_whitened) needs the whole step's batch, so the trainer computes it at claim time."""
+    if not rewards or config.advantage.kind == "batch_whitened":
+        return [None] * len(rewards)
+    return compute_advantages(rewards, [0] * len(rewards), config.advantage).tolist()
+
+
+def _summary(turn, max_turns: int) -> GenerateResult:  # type: ignore[no-untyped-def]
+    calls = len(turn.tool_calls or [])
+    return GenerateResult(n_tool_calls=calls, done=calls == 0 or turn.turn_index + 1 >= max_turns,
+                          n_tokens=len(turn.output_ids), version=turn.version_before,
+                          finish_reason=turn.finish_reason or "")

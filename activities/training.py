@@ -1,0 +1,34 @@
+"""Trainer activities (trainer queue, one at a time): publish the base policy, run a step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+
+from activities.common import heartbeating, instrumented
+from observe.metrics import METRICS
+from schemas.payloads import InitPolicyInput, PublishedVersion, StepSummary, TrainStepInput
+from storage.db import Database
+from trainer.trainer import Trainer
+
+
+class TrainingActivities:
+    def __init__(self, db: Database, trainer: Trainer) -> None:
+        self.db = db
+        self.trainer = trainer
+
+    @activity.defn(name="init_policy")
+    @instrumented("trainer", "train")
+    async def init_policy(self, inp: InitPolicyInput) -> PublishedVersion:
+        return await heartbeating(asyncio.to_thread(self.trainer.init_policy, inp.run_id))
+
+    @activity.defn(name="train_step")
+    @instrumented("trainer", "train")
+    async def train_step(self, inp: TrainStepInput) -> StepSummary:
+        summary = await heartbeating(asyncio.to_thread(self.trainer.train_step, inp))
+        METRICS.observe_train_step(inp.run_id, summary.step, summary.duration_s, summary.n_tokens,
+                                   reward_mean=summary.reward_mean)
+        if summary.published is not None:
+            METRICS.observe_publish(inp.run_id, summary.published.version)
+        return summary

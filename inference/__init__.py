@@ -1,0 +1,1 @@
+"""Talking to vLLM servers: sampling (client) and the weight-sync endpoints (admin)."""

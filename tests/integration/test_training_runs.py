@@ -1,0 +1,170 @@
+"""Whole training runs on the real stack: Temporal, Postgres, SeaweedFS, a vLLM server with the
+tiny model, and the worker processes. Assertions read the audit trail in Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.client import Client, WorkflowExecutionStatus
+
+from infra.inference import SERVED_MODEL_NAME
+from inference.client import InferenceClient
+from infra.temporal import temporal_binary
+from schemas.config import RunConfig, load_run_config
+from schemas.payloads import WORKFLOW_QUEUE
+from storage.db import Database
+from workers.run_commands import start_run
+
+pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-arithmetic.toml"
+RUN_TIMEOUT_S = 600
+
+
+def tiny_config(tiny_model: Path, **overrides: object) -> RunConfig:
+    base = load_run_config(CONFIG, {"name": f"e2e-{uuid.uuid4().hex[:8]}", "steps": 3})
+    data = base.model_dump(mode="json") | {"model": {"path": str(tiny_model), "max_model_len": 512}}
+    for key, value in overrides.items():
+        data[key] = value | data[key] if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    return RunConfig.model_validate(data)
+
+
+def rows(db: Database, sql: str, **params: object) -> list[sa.Row]:
+    with db.begin() as s:
+        return list(s.execute(sa.text(sql), params))
+
+
+def assert_audit_trail(db: Database, cfg: RunConfig) -> None:
+    """What every completed run must satisfy, read back from Postgres."""
+    versions = rows(db, "select version, trained_steps from policy_versions where run_id = :r order by version",
+                    r=cfg.name)
+    assert [v.version for v in versions] == list(range(cfg.steps + 1)), "versions contiguous from 0"
+    assert all(a.trained_steps < b.trained_steps for a, b in zip(versions, versions[1:])), "monotonic"
+    steps = rows(db, "select step, n_groups from train_steps where run_id = :r order by step", r=cfg.name)
+    assert [(s.step, s.n_groups) for s in steps] == [(i, cfg.rollout.groups_per_step) for i in range(1, cfg.steps + 1)]
+    lag = rows(db, "select max(staleness) as worst, count(*) as n, count(distinct trajectory_id) as distinct_n "
+                   "from v_version_lag where run_id = :r", r=cfg.name)[0]
+    assert lag.n == cfg.steps * cfg.rollout.groups_per_step * cfg.rollout.group_size
+    assert lag.n == lag.distinct_n, "a trajectory consumed twice"
+    assert lag.worst <= cfg.staleness
+    syncs = rows(db, "select version, status, probe_max_abs_diff, greedy_match from sync_events "
+                     "where run_id = :r order by version", r=cfg.name)
+    assert [s.version for s in syncs] == list(range(cfg.steps + 1))
+    for sync in syncs:  # after each sync the server held exactly the trainer's weights
+        assert sync.status == "ok" and sync.greedy_match is True
+        assert sync.probe_max_abs_diff <= cfg.sync.verify_tolerance
+
+
+async def test_async_run_completes_with_a_consistent_audit_trail(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
+        inference_servers: list[str]) -> None:
+    cfg = tiny_config(tiny_model)
+    handle = await start_run(temporal_client, cfg)
+    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    assert result.steps == cfg.steps
+    assert_audit_trail(migrated_db, cfg)
+    # the server now serves the last version: its greedy output equals transformers' on those weights
+    probe = rows(migrated_db, "select probe from policy_versions where run_id = :r and version = :v",
+                 r=cfg.name, v=cfg.steps)[0].probe
+    async with InferenceClient(inference_servers[0], SERVED_MODEL_NAME) as client:
+        served = await client.complete(probe["prompt_ids"], max_tokens=len(probe["greedy_ids"]), temperature=0.0,
+                                       ignore_eos=True)
+        assert served.token_ids == probe["greedy_ids"]
+        assert await client.weight_version() == str(cfg.steps)
+
+
+async def test_sync_mode_never_overlaps_training_and_rollouts(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+    cfg = tiny_config(tiny_model, mode="sync", max_staleness=None)
+    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    assert_audit_trail(migrated_db, cfg)
+    assert rows(migrated_db, "select max(staleness) as m from v_version_lag where run_id = :r", r=cfg.name)[0].m == 0
+    # every model call of the groups a step trains on happened after the previous step and its sync
+    overlaps = rows(migrated_db, """
+        select g.group_index, s.step, tu.created_at, e.finished_at as synced_at
+        from rollout_groups g
+        join trajectories t on t.group_id = g.id
+        join turns tu on tu.trajectory_id = t.id
+        join train_steps s on s.run_id = g.run_id and s.step = g.claimed_step - 1
+        join sync_events e on e.run_id = g.run_id and e.version = s.published_version
+        where g.run_id = :r and tu.created_at - tu.generate_latency_s * interval '1 second' < e.finished_at
+    """, r=cfg.name)
+    assert overlaps == []
+    windows = rows(migrated_db, "select started_at, finished_at from train_steps where run_id = :r", r=cfg.name)
+    calls = rows(migrated_db, "select tu.created_at - tu.generate_latency_s * interval '1 second' as began, "
+                              "tu.created_at as ended from turns tu join trajectories t on t.id = tu.trajectory_id "
+                              "where t.run_id = :r", r=cfg.name)
+    for w in windows:
+        assert not any(c.began < w.finished_at and c.ended > w.started_at for c in calls), "generation during training"
+
+
+async def test_run_started_with_json_input_like_the_web_ui(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path, endpoints) -> None:  # type: ignore[no-untyped-def]
+    cfg = tiny_config(tiny_model, steps=2)
+    payload = json.dumps(cfg.model_dump(mode="json"))
+    subprocess.run([temporal_binary(), "workflow", "start", "--address", endpoints.temporal_address,
+                    "--type", "TrainingRunWorkflow", "--task-queue", WORKFLOW_QUEUE,
+                    "--workflow-id", cfg.workflow_id, "--input", payload], check=True, capture_output=True)
+    handle = temporal_client.get_workflow_handle(cfg.workflow_id)
+    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    assert result["steps"] == 2 if isinstance(result, dict) else result.steps == 2
+    assert_audit_trail(migrated_db, cfg)
+
+
+async def test_json_input_with_a_bad_field_fails_the_run_naming_it(
+        temporal_client: Client, pipeline_workers, endpoints) -> None:  # type: ignore[no-untyped-def]
+    workflow_id = f"run-bad-{uuid.uuid4().hex[:8]}"
+    payload = json.dumps({"name": "bad", "rollout": {"group_sise": 4}})
+    subprocess.run([temporal_binary(), "workflow", "start", "--address", endpoints.temporal_address,
+                    "--type", "TrainingRunWorkflow", "--task-queue", WORKFLOW_QUEUE,
+                    "--workflow-id", workflow_id, "--input", payload], check=True, capture_output=True)
+    handle = temporal_client.get_workflow_handle(workflow_id)
+    with pytest.raises(Exception) as caught:
+        await asyncio.wait_for(handle.result(), 60)
+    assert "rollout.group_sise" in str(caught.value.__cause__ or caught.value)
+
+
+async def test_trainer_killed_during_a_step_is_replaced_and_the_step_commits_once(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+    from infra.process import kill
+
+    cfg = tiny_config(tiny_model, steps=4, rollout={"group_size": 8, "groups_per_step": 4},
+                      sampling={"max_tokens": 48})
+    handle = await start_run(temporal_client, cfg)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    killed_mid_step = None
+    while killed_mid_step is None:
+        assert time.monotonic() < deadline, "never caught a train step in flight"
+        if not await _train_step_running(handle):
+            await asyncio.sleep(0.05)
+            continue
+        committed = _committed_steps(migrated_db, cfg.name)
+        assert kill(pipeline_workers.table.get("trainer"))  # SIGKILL
+        if _committed_steps(migrated_db, cfg.name) == committed:  # the step had not committed: mid-step
+            killed_mid_step = committed + 1
+        pipeline_workers.up(only=["trainer"], progress=lambda msg: None)
+    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    assert result.steps == cfg.steps
+    assert_audit_trail(migrated_db, cfg)  # (run, step) committed once each: n_groups per step exact
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+    attempts = rows(migrated_db, "select count(*) as n from activity_spans where run_id = :r and activity = "
+                                 "'train_step'", r=cfg.name)[0].n
+    assert attempts == cfg.steps, "the killed attempt leaves no span; every step has one finished attempt"
+
+
+async def _train_step_running(handle) -> bool:  # type: ignore[no-untyped-def]
+    described = await handle.describe()
+    return any(a.activity_type.name == "train_step" and a.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+               for a in described.raw_description.pending_activities)
+
+
+def _committed_steps(db: Database, run: str) -> int:
+    return rows(db, "select count(*) as n from train_steps where run_id = :r", r=run)[0].n

@@ -1,0 +1,128 @@
+"""In-memory fakes of every activity the workflows call, registered under the real names, for
+tests of the orchestration logic alone (budget, lock-step, continue-as-new, pause). They keep
+the same books the real activities keep in Postgres, plus a log of events with timestamps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from temporalio import activity
+
+from schemas.config import RunConfig
+from schemas.payloads import (
+    FailureRecord,
+    FinishGroupInput,
+    GenerateInput,
+    GenerateResult,
+    GradeGroupInput,
+    GradeGroupResult,
+    GroupSummary,
+    InitPolicyInput,
+    PublishedVersion,
+    RegisterRunResult,
+    RunStatusUpdate,
+    StartGroupInput,
+    StartGroupResult,
+    StepSummary,
+    SyncInput,
+    SyncResult,
+    ToolInput,
+    ToolResult,
+    TrainStepInput,
+)
+
+
+@dataclass
+class FakeBooks:
+    servers: list[str] = field(default_factory=lambda: ["0"])
+    generate_delay_s: float = 0.01
+    train_delay_s: float = 0.05
+    version_steps: list[int] = field(default_factory=lambda: [0])
+    server_version: dict[str, int] = field(default_factory=dict)
+    groups: dict[int, dict] = field(default_factory=dict)  # index -> {version, status, claimed}
+    events: list[tuple[float, str, int]] = field(default_factory=list)  # (time, kind, index)
+    statuses: list[str] = field(default_factory=list)
+    failures: list[FailureRecord] = field(default_factory=list)
+
+    def log(self, kind: str, index: int) -> None:
+        self.events.append((time.monotonic(), kind, index))
+
+    def activities(self) -> list:  # type: ignore[type-arg]
+        books = self
+
+        @activity.defn(name="register_run")
+        async def register_run(config: RunConfig) -> RegisterRunResult:
+            return RegisterRunResult(servers=books.servers)
+
+        @activity.defn(name="init_policy")
+        async def init_policy(inp: InitPolicyInput) -> PublishedVersion:
+            return PublishedVersion(0, 0, "k0", "0" * 64)
+
+        @activity.defn(name="sync_weights")
+        async def sync_weights(inp: SyncInput) -> SyncResult:
+            books.log("sync_start", inp.version)
+            await asyncio.sleep(0.02)
+            books.server_version["0"] = inp.version
+            books.log("sync_end", inp.version)
+            return SyncResult("0", inp.version, "ok", 0.02)
+
+        @activity.defn(name="start_group")
+        async def start_group(inp: StartGroupInput) -> StartGroupResult:
+            books.log("group_start", inp.group_index)
+            books.groups.setdefault(inp.group_index, {"version": books.server_version.get("0", 0),
+                                                      "status": "running", "claimed": None})
+            return StartGroupResult(trajectory_ids=[inp.group_index * 100 + i for i in range(inp.n_samples)],
+                                    task_id=f"t{inp.group_index}")
+
+        @activity.defn(name="generate")
+        async def generate(inp: GenerateInput) -> GenerateResult:
+            await asyncio.sleep(books.generate_delay_s)
+            return GenerateResult(n_tool_calls=0, done=True, n_tokens=3, version=0, finish_reason="stop")
+
+        @activity.defn(name="run_tool")
+        async def run_tool(inp: ToolInput) -> ToolResult:
+            return ToolResult("ok", 0.0)
+
+        @activity.defn(name="grade_group")
+        async def grade_group(inp: GradeGroupInput) -> GradeGroupResult:
+            return GradeGroupResult([float(i % 2) for i in range(len(inp.trajectory_ids))], 0)
+
+        @activity.defn(name="finish_group")
+        async def finish_group(inp: FinishGroupInput) -> GroupSummary:
+            group = books.groups[inp.group_index]
+            group["status"] = inp.status
+            books.log("group_end", inp.group_index)
+            return GroupSummary(inp.group_index, inp.status, group["version"], len(inp.trajectory_ids), 0.5)
+
+        @activity.defn(name="train_step")
+        async def train_step(inp: TrainStepInput) -> StepSummary:
+            books.log("train_start", inp.step)
+            completed = sorted(i for i, g in books.groups.items() if g["status"] == "completed" and g["claimed"] is None)
+            stale = [i for i in completed if books.version_steps[books.groups[i]["version"]] < inp.min_trained_steps]
+            fresh = [i for i in completed if i not in stale][: inp.groups_per_step]
+            assert len(fresh) == inp.groups_per_step, f"step {inp.step}: {len(fresh)} fresh groups"
+            for i in stale:
+                books.groups[i]["status"] = "dropped"
+            for i in fresh:
+                books.groups[i]["claimed"] = inp.step
+            await asyncio.sleep(books.train_delay_s)
+            published = None
+            if inp.publish:
+                books.version_steps.append(inp.step)
+                published = PublishedVersion(len(books.version_steps) - 1, inp.step, "k", "0" * 64)
+            worst = max((inp.step - 1) - books.version_steps[books.groups[i]["version"]] for i in fresh)
+            books.log("train_end", inp.step)
+            return StepSummary(inp.step, 0.1, 0.5, worst, 10, fresh, stale, published, books.train_delay_s)
+
+        @activity.defn(name="record_failure")
+        async def record_failure(record: FailureRecord) -> None:
+            books.failures.append(record)
+
+        @activity.defn(name="set_run_status")
+        async def set_run_status(update: RunStatusUpdate) -> None:
+            books.statuses.append(update.status)
+
+        return [register_run, init_policy, sync_weights, start_group, generate, run_tool, grade_group,
+                finish_group, train_step, record_failure, set_run_status]

@@ -1,0 +1,141 @@
+"""The TrainingRun/RolloutGroup orchestration on the real Temporal dev server, with every
+activity replaced by an in-memory fake (the workflows' own logic is what is under test)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.worker import Worker
+
+from schemas.config import RunConfig, parse_run_config
+from schemas.payloads import (
+    GRADER_QUEUE,
+    ROLLOUT_QUEUE,
+    SANDBOX_QUEUE,
+    TRAINER_QUEUE,
+    WORKFLOW_QUEUE,
+    PauseRequest,
+    ScheduleUpdate,
+    sync_queue,
+)
+from tests.workflows.fakes import FakeBooks
+from workers.common import workflow_runner
+from workers.run_commands import start_run
+from workflows.rollout_group import RolloutGroupWorkflow
+from workflows.training_run import TrainingRunWorkflow
+
+pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("clean_workflows")]
+
+
+@asynccontextmanager
+async def fake_pipeline(client: Client, books: FakeBooks) -> AsyncIterator[None]:
+    queues = [WORKFLOW_QUEUE, ROLLOUT_QUEUE, SANDBOX_QUEUE, GRADER_QUEUE, TRAINER_QUEUE, sync_queue("0")]
+    workers = [Worker(client, task_queue=q, activities=books.activities(),
+                      workflows=[TrainingRunWorkflow, RolloutGroupWorkflow] if q == WORKFLOW_QUEUE else [],
+                      workflow_runner=workflow_runner()) for q in queues]
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        yield
+    finally:
+        for w in workers:
+            await w.shutdown()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def config(**overrides: object) -> RunConfig:
+    base = {"name": f"logic-{uuid.uuid4().hex[:8]}", "steps": 4,
+            "rollout": {"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": 8}}
+    return parse_run_config(base | overrides)
+
+
+def consumed_staleness(books: FakeBooks) -> dict[int, int]:
+    """group -> staleness at the step that consumed it."""
+    return {i: (g["claimed"] - 1) - books.version_steps[g["version"]]
+            for i, g in books.groups.items() if g["claimed"] is not None}
+
+
+async def test_async_run_trains_every_step_within_the_staleness_bound(temporal_client: Client) -> None:
+    books = FakeBooks()
+    cfg = config(max_staleness=1)
+    async with fake_pipeline(temporal_client, books):
+        result = await (await start_run(temporal_client, cfg)).result()
+    assert (result.steps, result.version) == (4, 4)
+    claimed = [g["claimed"] for g in books.groups.values() if g["claimed"] is not None]
+    assert sorted(claimed) == [1, 1, 2, 2, 3, 3, 4, 4]  # each step its batch, no group twice
+    assert max(consumed_staleness(books).values()) <= 1
+    assert books.statuses[-1] == "completed"
+
+
+async def test_sync_mode_never_overlaps_rollouts_and_training(temporal_client: Client) -> None:
+    books = FakeBooks()
+    async with fake_pipeline(temporal_client, books):
+        await (await start_run(temporal_client, config(mode="sync"))).result()
+    assert set(consumed_staleness(books).values()) == {0}
+    busy = []  # (start, end) of each train step through the end of the sync it published
+    starts = {i: t for t, kind, i in books.events if kind == "train_start"}
+    sync_ends = {i: t for t, kind, i in books.events if kind == "sync_end"}
+    for step, start in starts.items():
+        busy.append((start, sync_ends[step]))  # step s publishes version s
+    for t, kind, index in books.events:
+        if kind == "group_start":
+            assert not any(a < t < b for a, b in busy), f"group {index} started during a train/sync window"
+
+
+async def test_budget_admits_no_more_than_the_staleness_rule(temporal_client: Client) -> None:
+    """With max_staleness 0 in async mode and a slow trainer, at most one batch is ever ahead."""
+    books = FakeBooks(train_delay_s=0.3)
+    cfg = config(mode="async", max_staleness=0, steps=3)
+    async with fake_pipeline(temporal_client, books):
+        await (await start_run(temporal_client, cfg)).result()
+    assert set(consumed_staleness(books).values()) == {0}
+    assert len(books.groups) == 6  # exactly the groups needed: none generated and thrown away
+
+
+async def test_continue_as_new_carries_state_and_in_flight_groups(temporal_client: Client) -> None:
+    books = FakeBooks()
+    cfg = config(steps=5, continue_as_new_every=2)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        first_run = (await handle.describe()).run_id
+        result = await handle.result()
+        last_run = (await temporal_client.get_workflow_handle(cfg.workflow_id).describe()).run_id
+    assert result.steps == 5 and first_run != last_run
+    assert sorted(g["claimed"] for g in books.groups.values() if g["claimed"]) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+async def test_pause_stops_new_groups_and_resume_finishes(temporal_client: Client) -> None:
+    books = FakeBooks(generate_delay_s=0.05)
+    cfg = config(steps=3)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        while not books.groups:
+            await asyncio.sleep(0.05)
+        status = await handle.execute_update(TrainingRunWorkflow.pause, PauseRequest("maintenance"))
+        assert status.paused and status.pause_reason == "maintenance"
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update(TrainingRunWorkflow.pause, PauseRequest("again"))
+        await asyncio.sleep(0.5)  # in-flight groups drain
+        started = len(books.groups)
+        await asyncio.sleep(0.5)
+        assert len(books.groups) == started, "groups started while paused"
+        assert (await handle.query(TrainingRunWorkflow.status)).phase == "paused"
+        await handle.execute_update(TrainingRunWorkflow.resume)
+        result = await handle.result()
+    assert result.steps == 3 and "paused" in books.statuses
+
+
+async def test_schedule_update_is_validated(temporal_client: Client) -> None:
+    books = FakeBooks(train_delay_s=0.2)
+    cfg = config(steps=3, max_staleness=1)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update(TrainingRunWorkflow.set_schedule, ScheduleUpdate(sync_interval=5))
+        status = await handle.execute_update(TrainingRunWorkflow.set_schedule, ScheduleUpdate(max_staleness=2))
+        assert status.max_staleness == 2
+        await handle.result()

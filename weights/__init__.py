@@ -1,0 +1,1 @@
+"""Weights: publishing checkpoints (trainer -> S3) and syncing them into inference servers."""

@@ -1,0 +1,65 @@
+"""What every worker process does first: read addresses, connect to Temporal and the database.
+
+Addresses come from the environment (TEMPORAL_ADDRESS, DATABASE_URL, S3_ENDPOINT_URL,
+INFERENCE_URLS), else from the local stack's state directory (`infra.endpoints`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from temporalio.client import Client
+from temporalio.runtime import Runtime
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from infra.endpoints import Endpoints, resolve_endpoints
+from infra.process import free_port
+from infra.settings import load_settings
+
+# Modules that workflow code imports (through `imports_passed_through`) and that must be shared
+# with the worker rather than re-imported in every workflow sandbox.
+WORKFLOW_PASSTHROUGH = ("schemas", "envs", "graders", "sandbox", "workflows.policies")
+
+
+def endpoints() -> Endpoints:
+    return resolve_endpoints(load_settings())
+
+
+async def connect(ep: Endpoints, runtime: Runtime | None = None) -> Client:
+    """A Temporal client whose payloads may be pydantic models (RunConfig) or dataclasses."""
+    return await Client.connect(ep.temporal_address, namespace=ep.temporal_namespace,
+                                data_converter=pydantic_data_converter, runtime=runtime)
+
+
+def start_metrics(name: str, kind: str, boxes: tuple[str, ...], server: str | None = None) -> Runtime:
+    """Serve this worker's Prometheus metrics and build the Temporal runtime that serves the SDK's.
+    The bound ports are written to `<home>/workers/<name>.metrics` for scrapers and tests."""
+    from observe.metrics import METRICS, metrics_port, sdk_metrics_port, serve_metrics, temporal_runtime
+
+    settings = load_settings()
+    METRICS.tracker.declare(*boxes)
+    base = settings.metrics_base_port
+    wanted = metrics_port(kind, int(server) if server is not None else None, base) if base else 0
+    port = serve_metrics(wanted, addr=settings.host)
+    sdk_port = sdk_metrics_port(port) if base else free_port(settings.host)
+    ports_file = settings.home.resolve() / "workers" / f"{name}.metrics"
+    ports_file.parent.mkdir(parents=True, exist_ok=True)
+    ports_file.write_text(f"{port} {sdk_port}\n")
+    return temporal_runtime(sdk_port, addr=settings.host, service=f"rlpipe-{name}")
+
+
+def workflow_runner() -> SandboxedWorkflowRunner:
+    return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(
+        *WORKFLOW_PASSTHROUGH))
+
+
+def server_urls(ep: Endpoints) -> dict[str, str]:
+    """Inference server id -> URL; ids are the positions in INFERENCE_URLS / the stack ("0", "1", ...)."""
+    return {str(i): url for i, url in enumerate(ep.inference_urls)}
+
+
+def setup_logging(name: str) -> logging.Logger:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return logging.getLogger(f"rlpipe.{name}")

@@ -1,0 +1,91 @@
+"""`rlpipe workers up|down|status`: the worker processes of one machine, started in the
+background like the stack's servers (their pids and logs recorded next to the stack's).
+
+One rollout worker (workflows + generation), one sandbox worker, one grader worker, one trainer
+worker, and one sync sidecar per inference server. Each is `rlpipe worker KIND` in its own session.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.process import ProcessRecord, ProcessTable, spawn, stop
+from infra.settings import StackSettings
+
+KINDS = ("rollout", "sandbox", "grader", "trainer")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    argv: list[str]
+
+
+def worker_specs(servers: list[str]) -> list[WorkerSpec]:
+    base = [sys.executable, "-m", "workers.main"]
+    specs = [WorkerSpec(kind, [*base, kind]) for kind in KINDS]
+    specs += [WorkerSpec(f"sidecar-{server}", [*base, "sidecar", "--server", server]) for server in servers]
+    return specs
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process died right after it was started; the message holds its log's tail."""
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+class WorkerSet:
+    """The worker processes started for one stack directory."""
+
+    def __init__(self, settings: StackSettings, env: dict[str, str] | None = None) -> None:
+        self.home = settings.home.resolve()
+        self.table = ProcessTable(self.home / "workers.json")
+        self.env = env or {}
+        self.servers = [str(i) for i in range(len(settings.inference_urls()))]
+
+    def log(self, name: str) -> Path:
+        return self.home / "workers" / f"{name}.log"
+
+    def up(self, only: list[str] | None = None, progress=print) -> list[ProcessRecord]:  # type: ignore[no-untyped-def]
+        started = []
+        for spec in worker_specs(self.servers):
+            if only and spec.name not in only:
+                continue
+            record = self.table.get(spec.name)
+            if record is not None and record.is_running():
+                progress(f"{spec.name}: already running (pid {record.pid})")
+                continue
+            record = spawn(spec.name, spec.argv, self.log(spec.name), env={"RLPIPE_HOME": str(self.home), **self.env})
+            self.table.put(record)
+            started.append(record)
+            progress(f"{spec.name}: started (pid {record.pid}, log {record.log})")
+        self._check_alive(started)
+        return started
+
+    def _check_alive(self, started: list[ProcessRecord], grace_s: float = 8.0) -> None:
+        """A worker that dies at start (bad address, import error) is reported with its log."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            dead = [r for r in started if not r.is_running()]
+            if dead:
+                tails = "\n".join(f"--- {r.name} ({r.log}):\n{_tail(Path(r.log))}" for r in dead)
+                raise WorkerStartError(f"worker(s) {', '.join(r.name for r in dead)} exited at start:\n{tails}")
+            time.sleep(0.5)
+
+    def down(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+        for name, record in self.table.load().items():
+            if only and name not in only:
+                continue
+            if stop(record, timeout_s=15):
+                progress(f"{name}: stopped (pid {record.pid})")
+            self.table.remove(name)
+
+    def status(self) -> dict[str, ProcessRecord | None]:
+        records = self.table.load()
+        return {spec.name: (r if (r := records.get(spec.name)) and r.is_running() else None)
+                for spec in worker_specs(self.servers)}

@@ -1,0 +1,34 @@
+"""`python -m workers.main KIND`: run one worker in the foreground (what `rlpipe workers up` starts)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlpipe worker", description=__doc__)
+    parser.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar"])
+    parser.add_argument("--server", help="sidecar only: the inference server id it syncs")
+    args = parser.parse_args(argv)
+    if args.kind == "sidecar" and args.server is None:
+        parser.error("the sidecar needs --server ID (the inference server it syncs)")
+    # each worker imports only what it needs: the trainer pulls torch, the sidecar does not
+    if args.kind == "rollout":
+        from workers.rollout import run_rollout_worker as run
+    elif args.kind == "sandbox":
+        from workers.sandbox import run_sandbox_worker as run
+    elif args.kind == "grader":
+        from workers.grader import run_grader_worker as run
+    elif args.kind == "trainer":
+        from workers.trainer import run_trainer_worker as run
+    else:
+        from workers.sidecar import run_sidecar_worker
+
+        asyncio.run(run_sidecar_worker(args.server))
+        return
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The rollout worker: hosts the TrainingRun and RolloutGroup workflows with their bookkeeping
+activities (workflow queue), and the generation activities (rollout queue)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio.worker import Worker
+
+from activities.bookkeeping import BookkeepingActivities
+from activities.rollout import RolloutActivities
+from rollout.context import RunContexts
+from schemas.payloads import ROLLOUT_QUEUE, WORKFLOW_QUEUE
+from storage.db import Database
+from workers.common import connect, endpoints, server_urls, setup_logging, start_metrics, workflow_runner
+from workflows.rollout_group import RolloutGroupWorkflow
+from workflows.training_run import TrainingRunWorkflow
+
+
+async def run_rollout_worker(max_concurrent_generations: int = 256) -> None:
+    log = setup_logging("rollout")
+    ep = endpoints()
+    client = await connect(ep, start_metrics("rollout", "rollout", ("rollout", "persist")))
+    db = Database(ep.database_url, pool_size=10)
+    servers = server_urls(ep)
+    bookkeeping = BookkeepingActivities(db, sorted(servers))
+    rollouts = RolloutActivities(db, RunContexts(db), servers)
+    orchestration = Worker(client, task_queue=WORKFLOW_QUEUE, workflow_runner=workflow_runner(),
+                           workflows=[TrainingRunWorkflow, RolloutGroupWorkflow],
+                           activities=[bookkeeping.register_run, bookkeeping.set_run_status,
+                                       bookkeeping.record_failure])
+    generation = Worker(client, task_queue=ROLLOUT_QUEUE,
+                        activities=[rollouts.start_group, rollouts.generate, rollouts.finish_group],
+                        max_concurrent_activities=max_concurrent_generations)
+    log.info("serving %s and %s with inference servers %s", WORKFLOW_QUEUE, ROLLOUT_QUEUE, servers)
+    await asyncio.gather(orchestration.run(), generation.run())
+

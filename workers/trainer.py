@@ -1,0 +1,33 @@
+"""The trainer worker: holds the policy in memory and runs one train step at a time (trainer queue)."""
+
+from __future__ import annotations
+
+
+from temporalio.worker import Worker
+
+from activities.training import TrainingActivities
+from rollout.context import RunContexts
+from schemas.payloads import TRAINER_QUEUE
+from storage.db import Database
+from storage.object_store import ObjectStore
+from trainer.trainer import Trainer
+from infra.settings import load_settings
+from observe.metrics import METRICS, start_db_refresh
+from workers.common import connect, endpoints, setup_logging, start_metrics
+
+
+async def run_trainer_worker() -> None:
+    log = setup_logging("trainer")
+    ep = endpoints()
+    client = await connect(ep, start_metrics("trainer", "trainer", ("trainer",)))
+    db = Database(ep.database_url)
+    start_db_refresh(METRICS, db.begin)  # buffer depth, staleness and shares from Postgres
+    work_dir = load_settings().home.resolve() / "trainer"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), work_dir)
+    training = TrainingActivities(db, trainer)
+    # one activity at a time: the model is a single in-memory state advanced step by step
+    worker = Worker(client, task_queue=TRAINER_QUEUE, activities=[training.init_policy, training.train_step],
+                    max_concurrent_activities=1)
+    log.info("serving %s", TRAINER_QUEUE)
+    await worker.run()

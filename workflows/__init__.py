@@ -1,0 +1,1 @@
+"""Deterministic orchestration: TrainingRun and RolloutGroup. No I/O, no torch/numpy here."""

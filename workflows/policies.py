@@ -1,0 +1,48 @@
+"""Timeouts and retry policies per kind of activity, chosen once so that every call site is short.
+
+Generation and tools are retried with backoff (servers restart, sandboxes are flaky); a grader
+raising `InvalidGrade` is not retried (grading again gives the same answer); trainer and sync
+calls heartbeat so a killed worker is noticed in a minute, not at the start-to-close limit.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio.common import RetryPolicy
+
+NON_RETRYABLE = ["InvalidGrade", "ConfigError", "ContextTooLong", "DigestMismatch", "DuplicateRunName"]
+
+
+def retry(attempts: int, first_s: float = 1.0, max_s: float = 30.0) -> RetryPolicy:
+    """`attempts` tries (0 = unlimited) with exponential backoff from `first_s` to `max_s`."""
+    return RetryPolicy(initial_interval=timedelta(seconds=first_s), backoff_coefficient=2.0,
+                       maximum_interval=timedelta(seconds=max_s), maximum_attempts=attempts,
+                       non_retryable_error_types=NON_RETRYABLE)
+
+
+BOOKKEEPING = {"start_to_close_timeout": timedelta(seconds=60), "retry_policy": retry(0, max_s=10)}
+"""Database writes on the workflow queue: retried until the database is back."""
+
+TRAIN = {"start_to_close_timeout": timedelta(hours=2), "heartbeat_timeout": timedelta(seconds=30),
+         "retry_policy": retry(0, first_s=2, max_s=30)}
+"""A train step may take long; it heartbeats, and a killed trainer's step is retried on a new one."""
+
+
+def sync_options(timeout_s: float) -> dict[str, object]:
+    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=60),
+            "retry_policy": retry(5, first_s=2, max_s=30)}
+
+
+def generate_options(timeout_s: float, attempts: int) -> dict[str, object]:
+    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=30),
+            "retry_policy": retry(attempts)}
+
+
+def tool_options(timeout_s: float, attempts: int) -> dict[str, object]:
+    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "retry_policy": retry(attempts)}
+
+
+def grade_options(timeout_s: float, attempts: int) -> dict[str, object]:
+    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=60),
+            "retry_policy": retry(attempts)}

@@ -1,0 +1,131 @@
+"""RolloutGroupWorkflow: one prompt × G samples, each a multi-turn agent episode.
+
+    start_group ─▶ for each sample (in parallel):  generate ─▶ run_tool* ─▶ generate ─▶ …
+                ─▶ keep the first G finished (hedging), or apply the straggler policy at the deadline
+                ─▶ grade_group ─▶ finish_group (advantages, one transaction) ─▶ signal the run
+
+Every model call and tool call is its own activity, so a worker crash re-runs only the call in
+flight: completed turns are in the history (and in `turns`), never generated again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from schemas.payloads import (
+        GRADER_QUEUE,
+        ROLLOUT_QUEUE,
+        SANDBOX_QUEUE,
+        WORKFLOW_QUEUE,
+        FailureRecord,
+        FinishGroupInput,
+        GenerateInput,
+        GenerateResult,
+        GradeGroupInput,
+        GradeGroupResult,
+        GroupInput,
+        GroupSummary,
+        StartGroupInput,
+        StartGroupResult,
+        ToolInput,
+        ToolResult,
+    )
+    from workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
+
+GROUP_FINISHED_SIGNAL = "group_finished"
+
+
+@workflow.defn
+class RolloutGroupWorkflow:
+    def __init__(self) -> None:
+        self.finished: list[int] = []  # sample indices, in the order they finished
+        self.failed: dict[int, str] = {}  # sample index -> why
+
+    @workflow.run
+    async def run(self, inp: GroupInput) -> GroupSummary:
+        started: StartGroupResult = await workflow.execute_activity(
+            "start_group", StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
+                                           inp.group_size + inp.hedge_samples),
+            result_type=StartGroupResult, task_queue=ROLLOUT_QUEUE, **BOOKKEEPING)
+        ids = started.trajectory_ids
+        samples = [asyncio.create_task(self._sample(inp, i, ids[i])) for i in range(len(ids))]
+
+        enough = lambda: len(self.finished) >= inp.group_size or len(self.finished) + len(self.failed) == len(ids)  # noqa: E731
+        timeout = timedelta(seconds=inp.group_deadline_s) if inp.group_deadline_s else None
+        deadline_passed = False
+        try:
+            await workflow.wait_condition(enough, timeout=timeout)
+        except asyncio.TimeoutError:
+            deadline_passed = True
+        for task in samples:  # hedged extras and stragglers are not waited for
+            task.cancel()
+
+        kept = sorted(self.finished[: inp.group_size])
+        left_out = [ids[i] for i in range(len(ids)) if i not in kept]
+        status, reason = "completed", None
+        if len(kept) < inp.group_size:
+            why = (f"deadline of {inp.group_deadline_s}s passed" if deadline_passed else "samples failed") + \
+                  f" with {len(kept)}/{inp.group_size} samples finished"
+            if inp.straggler_policy == "partial" and len(kept) >= inp.min_partial_samples:
+                reason = f"partial group: {why}"
+            else:
+                status, reason = ("dropped" if deadline_passed else "failed"), why
+            await self._record(inp, "straggler" if deadline_passed else "rollout", reason)
+
+        rewards: list[float] = []
+        if status == "completed":
+            try:
+                graded: GradeGroupResult = await workflow.execute_activity(
+                    "grade_group", GradeGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept]),
+                    result_type=GradeGroupResult, task_queue=GRADER_QUEUE,
+                    **grade_options(inp.grade_timeout_s, inp.grade_attempts))
+                rewards = graded.rewards
+            except ActivityError as err:
+                status, reason = "failed", f"grading failed: {_cause(err)}"
+
+        summary: GroupSummary = await workflow.execute_activity(
+            "finish_group", FinishGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept] if rewards else [],
+                                             rewards, left_out if rewards else ids, status, reason),
+            result_type=GroupSummary, task_queue=ROLLOUT_QUEUE, **BOOKKEEPING)
+        try:
+            await workflow.get_external_workflow_handle(inp.run_workflow_id).signal(GROUP_FINISHED_SIGNAL, summary)
+        except Exception:  # noqa: BLE001 - the run has ended (cancelled or finished): nobody to tell
+            workflow.logger.info("run %s is closed; group %d not reported", inp.run_workflow_id, inp.group_index)
+        return summary
+
+    async def _sample(self, inp: GroupInput, index: int, trajectory_id: int) -> None:
+        """One episode: model turns and the tool calls they make, until the episode is done."""
+        try:
+            for turn in range(inp.max_turns):
+                generated: GenerateResult = await workflow.execute_activity(
+                    "generate", GenerateInput(inp.run_id, trajectory_id, turn, inp.server),
+                    result_type=GenerateResult, task_queue=ROLLOUT_QUEUE,
+                    **generate_options(inp.generate_timeout_s, inp.generate_attempts))
+                calls = [workflow.execute_activity(
+                    "run_tool", ToolInput(inp.run_id, trajectory_id, turn, call), result_type=ToolResult,
+                    task_queue=SANDBOX_QUEUE, **tool_options(inp.tool_timeout_s, inp.tool_attempts))
+                    for call in range(generated.n_tool_calls)]
+                await asyncio.gather(*calls)
+                if generated.done:
+                    break
+            self.finished.append(index)
+        except ActivityError as err:
+            self.failed[index] = _cause(err)
+
+    async def _record(self, inp: GroupInput, kind: str, message: str) -> None:
+        await workflow.execute_activity(
+            "record_failure", FailureRecord(inp.run_id, kind, message, workflow_id=workflow.info().workflow_id,
+                                            activity_id=f"group-{inp.group_index}"),
+            task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+
+
+def _cause(err: BaseException) -> str:
+    """The innermost error message of an activity failure chain."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return str(err)

@@ -1,0 +1,347 @@
+"""TrainingRunWorkflow: the run's control loop.
+
+Two loops share the run's state:
+- the rollout launcher keeps RolloutGroup children in flight while the staleness budget allows:
+      groups in flight + fresh buffered + consumed < (max_staleness + live_steps + 1) × groups_per_step
+  where live_steps is the trained-step count of the weights the next group will be generated with
+  (AReaL's rule: no trajectory can then be more than max_staleness steps old when trained on);
+- the trainer loop runs a train step whenever enough fresh groups are buffered, and syncs every
+  server after each step that publishes a checkpoint.
+
+Sync mode is the same code with max_staleness 0: the budget then admits exactly one batch per
+published version, so rollouts never overlap training. Children report back by signal, so they
+outlive a continue-as-new of the run; the in-flight set travels in `RunState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import SearchAttributeKey, WorkflowIDReusePolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.workflow import ParentClosePolicy
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+
+    from schemas.config import RunConfig, describe_validation_error
+    from schemas.payloads import (
+        TRAINER_QUEUE,
+        WORKFLOW_QUEUE,
+        FailureRecord,
+        GroupInput,
+        GroupSummary,
+        InitPolicyInput,
+        PauseRequest,
+        PublishedVersion,
+        RegisterRunResult,
+        RunResult,
+        RunState,
+        RunStatus,
+        RunStatusUpdate,
+        ScheduleUpdate,
+        StepSummary,
+        SyncInput,
+        SyncResult,
+        TrainStepInput,
+        sync_queue,
+    )
+    from workflows.policies import BOOKKEEPING, TRAIN, sync_options
+    from workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
+
+RUN_NAME = SearchAttributeKey.for_keyword("RunName")
+MODE = SearchAttributeKey.for_keyword("Mode")
+STEP = SearchAttributeKey.for_int("Step")
+POLICY_VERSION = SearchAttributeKey.for_int("PolicyVersion")
+PHASE = SearchAttributeKey.for_keyword("Phase")
+
+
+@workflow.defn
+class TrainingRunWorkflow:
+    def __init__(self) -> None:
+        self.config = RunConfig()
+        self.state = RunState()
+        self.stopping = False
+        self.sync_task: asyncio.Task[None] | None = None
+
+    # -- the run ------------------------------------------------------------------------------------
+    @workflow.run
+    async def run(self, config: RunConfig, carried: RunState | None = None) -> RunResult:
+        self.config = config = _validated(config)
+        if carried is None:
+            await self._start()
+        else:
+            self.state = carried
+            self.state.steps_this_run = 0
+        self._publish_attributes()
+        try:
+            launcher = asyncio.create_task(self._keep_rollouts_in_flight())
+            while self.state.step < config.steps:
+                await workflow.wait_condition(lambda: self._can_train() or self._should_continue_as_new())
+                if self._should_continue_as_new() and not self._can_train():
+                    await self._stop_launcher(launcher)
+                    await self._await_sync()
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    workflow.continue_as_new(args=[config, self.state])
+                await self._train_step()
+            await self._stop_launcher(launcher)
+            await self._await_sync()
+        except asyncio.CancelledError:
+            self.stopping = True
+            await self._set_status("cancelled", "cancelled by user")
+            raise
+        self._set_phase("completed")
+        await self._set_status("completed", None)
+        return RunResult(config.name, self.state.step, self.state.version, self.state.groups_consumed,
+                         self.state.groups_dropped, self.state.groups_failed)
+
+    async def _start(self) -> None:
+        cfg = self.config
+        self.state = RunState(sync_interval=cfg.sync.interval, max_staleness=cfg.staleness)
+        registered: RegisterRunResult = await workflow.execute_activity(
+            "register_run", cfg, result_type=RegisterRunResult, task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+        if not registered.servers:
+            raise ApplicationError("no inference servers are configured for the workers (INFERENCE_URLS or "
+                                   "`rlpipe stack up --inference N`)", non_retryable=True)
+        self.state.servers = registered.servers
+        self._set_phase("publishing base policy")
+        base: PublishedVersion = await workflow.execute_activity(
+            "init_policy", InitPolicyInput(cfg.name), result_type=PublishedVersion, task_queue=TRAINER_QUEUE, **TRAIN)
+        self.state.version, self.state.version_steps = base.version, [base.trained_steps]
+        await self._sync(base.version)
+        if not self.state.server_versions:
+            raise ApplicationError("no inference server could load the base policy (see sync_events/failures)",
+                                   non_retryable=True)
+        self._set_phase("running")
+
+    # -- rollouts -----------------------------------------------------------------------------------
+    async def _keep_rollouts_in_flight(self) -> None:
+        while not self.stopping:
+            await workflow.wait_condition(lambda: self.stopping or self._launch_server() is not None)
+            if self.stopping:
+                return
+            server = self._launch_server()
+            assert server is not None
+            index = self.state.next_group_index
+            self.state.next_group_index += 1
+            self.state.in_flight.append(index)
+            await workflow.start_child_workflow(
+                RolloutGroupWorkflow.run, self._group_input(index, server),
+                id=f"{workflow.info().workflow_id}-group-{index}", task_queue=WORKFLOW_QUEUE,
+                parent_close_policy=ParentClosePolicy.ABANDON,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+
+    def _launch_server(self) -> str | None:
+        """The server the next group should go to, or None if no group may start now."""
+        s, cfg = self.state, self.config
+        if s.paused or len(s.in_flight) >= cfg.rollout.max_concurrent_groups:
+            return None
+        planned = cfg.steps * cfg.rollout.groups_per_step
+        if len(s.in_flight) + s.groups_consumed + self._fresh_ready() >= planned:
+            return None  # enough data is under way for every remaining step
+        usable = [(s.version_steps[v], name) for name, v in sorted(s.server_versions.items())
+                  if s.version_steps[v] >= s.step - s.max_staleness]
+        if not usable:
+            return None  # every server holds weights too old for the next step: wait for a sync
+        live_steps = max(steps for steps, _ in usable)
+        budget = (s.max_staleness + live_steps + 1) * cfg.rollout.groups_per_step
+        if len(s.in_flight) + s.groups_consumed + self._fresh_ready() >= budget:
+            return None
+        freshest = [name for steps, name in usable if steps == live_steps]
+        return freshest[s.next_group_index % len(freshest)]
+
+    def _group_input(self, index: int, server: str) -> GroupInput:
+        r = self.config.rollout
+        return GroupInput(
+            run_id=self.config.name, run_workflow_id=workflow.info().workflow_id, group_index=index, server=server,
+            group_size=r.group_size, hedge_samples=r.hedge_samples, max_turns=self._max_turns(),
+            group_deadline_s=r.group_deadline_s, straggler_policy=r.straggler_policy,
+            min_partial_samples=r.min_partial_samples, generate_timeout_s=r.generate_timeout_s,
+            generate_attempts=r.generate_attempts, tool_timeout_s=r.tool_timeout_s, tool_attempts=r.tool_attempts,
+            grade_timeout_s=r.grade_timeout_s, grade_attempts=r.grade_attempts)
+
+    def _max_turns(self) -> int:
+        # the environment's own default applies when the config leaves it unset (activities resolve it);
+        # 64 is the config's upper bound, so the loop in the group never cuts an episode short
+        return self.config.env.max_turns or 64
+
+    @workflow.signal(name=GROUP_FINISHED_SIGNAL)
+    def group_finished(self, summary: GroupSummary) -> None:
+        s = self.state
+        if summary.group_index not in s.in_flight:
+            return  # a repeated signal: counted already
+        s.in_flight.remove(summary.group_index)
+        if summary.status == "completed":
+            s.ready.append(summary)
+            s.groups_completed += 1
+        elif summary.status == "dropped":
+            s.groups_dropped += 1
+        else:
+            s.groups_failed += 1
+
+    def _is_fresh(self, group: GroupSummary, step: int) -> bool:
+        """Would `group` be within the staleness budget if trained on at `step`?"""
+        s = self.state
+        generated_at = s.version_steps[group.min_version or 0]
+        return (step - 1) - generated_at <= s.max_staleness
+
+    def _fresh_ready(self) -> int:
+        return sum(self._is_fresh(g, self.state.step + 1) for g in self.state.ready)
+
+    # -- training and syncing -----------------------------------------------------------------------
+    def _can_train(self) -> bool:
+        return not self.state.paused and self._fresh_ready() >= self.config.rollout.groups_per_step
+
+    async def _train_step(self) -> None:
+        s, cfg = self.state, self.config
+        step = s.step + 1
+        publish = step % s.sync_interval == 0 or step == cfg.steps
+        self._set_phase("training")
+        summary: StepSummary = await workflow.execute_activity(
+            "train_step",
+            TrainStepInput(run_id=cfg.name, step=step, policy_version=s.version,
+                           min_trained_steps=(step - 1) - s.max_staleness,
+                           groups_per_step=cfg.rollout.groups_per_step, publish=publish),
+            result_type=StepSummary, task_queue=TRAINER_QUEUE, **TRAIN)
+        consumed, dropped = set(summary.consumed_groups), set(summary.dropped_groups)
+        s.ready = [g for g in s.ready if g.group_index not in consumed | dropped]
+        s.groups_consumed += len(consumed)
+        s.groups_dropped += len(dropped)
+        s.step, s.steps_this_run, s.last_step_summary = step, s.steps_this_run + 1, summary
+        if summary.published is not None:
+            s.version = summary.published.version
+            s.version_steps.append(summary.published.trained_steps)
+            await self._await_sync()  # syncs happen in version order
+            self.sync_task = asyncio.create_task(self._sync(summary.published.version))
+        self._set_phase("running")
+        self._publish_attributes()
+
+    async def _sync(self, version: int) -> None:
+        """Load `version` into every server in parallel; a server that fails keeps its old version."""
+        self._set_phase(f"syncing v{version}")
+        calls = [workflow.execute_activity("sync_weights", SyncInput(self.config.name, version), result_type=SyncResult,
+                                           task_queue=sync_queue(server), **sync_options(self.config.sync.timeout_s))
+                 for server in self.state.servers]
+        for server, outcome in zip(self.state.servers, await asyncio.gather(*calls, return_exceptions=True),
+                                   strict=True):
+            if isinstance(outcome, SyncResult) and outcome.status == "ok":
+                self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
+            else:
+                why = outcome.error if isinstance(outcome, SyncResult) else _describe(outcome)
+                await workflow.execute_activity(
+                    "record_failure", FailureRecord(self.config.name, "sync", f"server {server} did not take "
+                                                    f"version {version}: {why}", workflow_id=workflow.info().workflow_id,
+                                                    activity_id=f"sync-{server}-v{version}"),
+                    task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+        self._publish_attributes()
+
+    async def _await_sync(self) -> None:
+        if self.sync_task is not None:
+            await self.sync_task
+            self.sync_task = None
+
+    async def _stop_launcher(self, launcher: asyncio.Task[None]) -> None:
+        self.stopping = True
+        await launcher
+        self.stopping = False
+
+    def _should_continue_as_new(self) -> bool:
+        every = self.config.continue_as_new_every
+        return workflow.info().is_continue_as_new_suggested() or (every is not None and
+                                                                 self.state.steps_this_run >= every)
+
+    # -- handlers -----------------------------------------------------------------------------------
+    @workflow.query
+    def status(self) -> RunStatus:
+        s = self.state
+        return RunStatus(run=self.config.name, mode=self.config.mode, phase=s.phase, step=s.step,
+                         steps=self.config.steps, version=s.version, server_versions=dict(s.server_versions),
+                         in_flight=len(s.in_flight), buffered=len(s.ready), groups_completed=s.groups_completed,
+                         groups_consumed=s.groups_consumed, groups_dropped=s.groups_dropped,
+                         groups_failed=s.groups_failed, paused=s.paused, pause_reason=s.pause_reason,
+                         sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary)
+
+    @workflow.update
+    async def pause(self, request: PauseRequest) -> RunStatus:
+        self.state.paused, self.state.pause_reason = True, request.reason
+        self._set_phase("paused")
+        await self._set_status("paused", request.reason)
+        return self.status()
+
+    @pause.validator
+    def _validate_pause(self, request: PauseRequest) -> None:
+        if self.state.paused:
+            raise ApplicationError(f"run {self.config.name} is already paused ({self.state.pause_reason})")
+        if self.state.step >= self.config.steps:
+            raise ApplicationError(f"run {self.config.name} has finished; there is nothing to pause")
+
+    @workflow.update
+    async def resume(self) -> RunStatus:
+        self.state.paused, self.state.pause_reason = False, None
+        self._set_phase("running")
+        await self._set_status("running", None)
+        return self.status()
+
+    @resume.validator
+    def _validate_resume(self) -> None:
+        if not self.state.paused:
+            raise ApplicationError(f"run {self.config.name} is not paused")
+
+    @workflow.update
+    def set_schedule(self, update: ScheduleUpdate) -> RunStatus:
+        if update.sync_interval is not None:
+            self.state.sync_interval = update.sync_interval
+        if update.max_staleness is not None:
+            self.state.max_staleness = update.max_staleness
+        return self.status()
+
+    @set_schedule.validator
+    def _validate_schedule(self, update: ScheduleUpdate) -> None:
+        interval = update.sync_interval if update.sync_interval is not None else self.state.sync_interval
+        staleness = update.max_staleness if update.max_staleness is not None else self.state.max_staleness
+        if interval < 1:
+            raise ApplicationError(f"sync_interval must be >= 1, got {interval}")
+        if staleness < 0:
+            raise ApplicationError(f"max_staleness must be >= 0, got {staleness}")
+        if self.config.mode == "sync" and (interval != 1 or staleness != 0):
+            raise ApplicationError("a sync-mode run keeps sync_interval 1 and max_staleness 0")
+        if interval > staleness + 1:
+            raise ApplicationError(f"sync_interval ({interval}) > max_staleness + 1 ({staleness + 1}) would starve "
+                                   "the trainer of fresh data")
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+    def _set_phase(self, phase: str) -> None:
+        self.state.phase = phase
+        workflow.upsert_search_attributes([PHASE.value_set(phase)])
+
+    def _publish_attributes(self) -> None:
+        workflow.upsert_search_attributes([
+            RUN_NAME.value_set(self.config.name), MODE.value_set(self.config.mode),
+            STEP.value_set(self.state.step), POLICY_VERSION.value_set(self.state.version),
+            PHASE.value_set(self.state.phase)])
+
+    async def _set_status(self, status: str, reason: str | None) -> None:
+        await workflow.execute_activity("set_run_status", RunStatusUpdate(self.config.name, status, reason),
+                                        task_queue=WORKFLOW_QUEUE, start_to_close_timeout=timedelta(seconds=60))
+
+
+def _validated(config: RunConfig | dict) -> RunConfig:
+    """The run's config, validated. A run started with one JSON argument (the Web UI's Start
+    Workflow form, `temporal workflow start --input`) arrives as a plain dict: Temporal applies
+    the parameter types only when the argument count matches, and continue-as-new passes two.
+    A bad config fails the run at once with the fields named, instead of retrying forever."""
+    if isinstance(config, RunConfig):
+        return config
+    try:
+        return RunConfig.model_validate(config)
+    except ValidationError as exc:
+        raise ApplicationError(describe_validation_error(exc, "run config"), type="ConfigError",
+                               non_retryable=True) from None
+
+
+def _describe(err: BaseException) -> str:
+    while isinstance(err, ActivityError) and err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {err}"
