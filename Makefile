@@ -27,7 +27,7 @@ test: venv
 	$(BIN)/python -m pytest
 
 demo: venv
-	$(BIN)/rlpipe stack up
+	$(BIN)/rlpipe demo
 
 bench: venv
 	$(BIN)/python -m benchmarks.run_all

@@ -100,6 +100,14 @@ class InferenceAdmin:
     async def weight_version(self) -> str:
         return str((await request_json(self._http, "GET", "/weight_info"))["weight_version"])
 
+    async def served_model_dir(self) -> Path:
+        """The model directory the server started from (`GET /v1/models`, field `root`): the
+        weights a sync falls back to when it has no verified version to return to."""
+        models = (await request_json(self._http, "GET", "/v1/models"))["data"]
+        if not models:
+            raise RequestRejectedError(f"{self.base_url}/v1/models", 200, "the server lists no model")
+        return Path(models[0]["root"])
+
     async def reset_prefix_cache(self, reset_running: bool = False) -> None:
         """Drop cached KV blocks computed by old weights.
 

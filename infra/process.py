@@ -32,7 +32,11 @@ class ProcessRecord:
         """The live process this record describes, or None if it has exited."""
         try:
             proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.started_at) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            # psutil derives create_time from the boot time, which moves when the clock is
+            # stepped (seen: 11 s on a VM): a same-pid process with our argv is still ours
+            if abs(proc.create_time() - self.started_at) > 1.0 and proc.cmdline() != self.argv:
                 return None
             return proc
         except psutil.Error:

@@ -49,6 +49,12 @@ class StackSettings(BaseModel):
     temporal_metrics_port: int = Field(17244, ge=1, le=65535)
     """Temporal server's Prometheus metrics port."""
     temporal_namespace: str = "default"
+    """Namespace the workers and runs use."""
+    temporal_extra_namespaces: list[str] = Field(default_factory=list)
+    """More namespaces the dev server creates (with the search attributes): isolated task queues,
+    e.g. for a team's experiments or for the workflow tests' fake activities."""
+    ui_codec_endpoint: str | None = None
+    """A codec server (`rlpipe codec`) the Web UI asks to decode encrypted payloads (RLPIPE_PAYLOAD_KEY)."""
 
     postgres_port: int = Field(15432, ge=1, le=65535)
     """Embedded PostgreSQL port."""

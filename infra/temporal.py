@@ -48,10 +48,14 @@ class TemporalService(Service):
             temporal_binary(), "server", "start-dev", "--db-filename", str(self.dir / "temporal.db"),
             "--ip", s.host, "--port", str(s.temporal_port), "--ui-port", str(s.temporal_ui_port),
             "--http-port", str(s.temporal_http_port), "--metrics-port", str(s.temporal_metrics_port),
-            "--namespace", s.temporal_namespace, "--log-level", "warn",
+            "--log-level", "warn",
         ]
+        for namespace in [s.temporal_namespace, *s.temporal_extra_namespaces]:
+            argv += ["--namespace", namespace]
         for name, kind in SEARCH_ATTRIBUTES.items():
             argv += ["--search-attribute", f"{name}={kind}"]
+        if s.ui_codec_endpoint:
+            argv += ["--ui-codec-endpoint", s.ui_codec_endpoint]
         return Launch(argv=argv)
 
     def check_health(self) -> None:

@@ -19,7 +19,7 @@ from typing import Literal
 import httpx
 
 DEFAULT_MAX_NUM_SEQS = 64  # batch cap; on 2 cores throughput is flat past ~32 concurrent requests
-DEFAULT_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE; fp32 SmolLM2 KV is 45 KiB/token: 46k tokens
+MAX_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE cap; fp32 SmolLM2 KV is 45 KiB/token: 46k tokens
 DEFAULT_DTYPE: Literal["float32"] = "float32"  # the trainer's dtype: logprobs then agree to ~1e-4
 MIN_BATCHED_TOKENS = 2048  # vLLM-CPU's default step budget for the API server
 
@@ -38,7 +38,7 @@ def vllm_command(
     seed: int = 0,
     dtype: Literal["float32", "bfloat16"] = DEFAULT_DTYPE,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-    kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
+    kv_cache_gib: int | None = None,
     enforce_eager: bool = True,
     cpu_threads_bind: str = "auto",
     extra_args: Sequence[str] = (),
@@ -48,7 +48,8 @@ def vllm_command(
 
     `vllm serve` crashes on this install (package-name lookup), so the module is run directly.
     The returned environment is the current one plus vLLM's settings; pass it to Popen as is.
-    `max_model_len=None` uses the model's `max_position_embeddings`.
+    `max_model_len=None` uses the model's `max_position_embeddings`; `kv_cache_gib=None` sizes
+    the KV cache for `max_num_seqs` full contexts (kv_cache_gib_for).
     `cpu_threads_bind` is VLLM_CPU_OMP_THREADS_BIND: "auto" computes on one core per NUMA node
     and leaves the other core of this 2-core machine to the API server; "0-1" uses both.
     """
@@ -83,11 +84,12 @@ def vllm_command(
     if enforce_eager:
         argv.append("--enforce-eager")  # skips the inductor compile: much faster start on 2 cores
     argv.extend(extra_args)
+    kv_space = kv_cache_gib or kv_cache_gib_for(model_dir, context_len, max_num_seqs, dtype)
     env = dict(os.environ)
     env.update(
         {
             "VLLM_SERVER_DEV_MODE": "1",  # mounts /pause, /resume, /collective_rpc, /reset_prefix_cache
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_space),
             "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind,
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
@@ -96,6 +98,20 @@ def vllm_command(
         }
     )
     return argv, env
+
+
+def kv_cache_gib_for(model_dir: Path, context_len: int, max_num_seqs: int,
+                     dtype: Literal["float32", "bfloat16"] = DEFAULT_DTYPE) -> int:
+    """GiB of KV cache that holds `max_num_seqs` full contexts, between 1 (vLLM counts whole GiB)
+    and MAX_KV_CACHE_GIB. The space is allocated up front: the tiny test model needs 64 MiB, and
+    each GiB more is memory other servers on the machine do not get (a restart under memory
+    pressure then crawls)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    bytes_per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    needed = bytes_per_token * context_len * max_num_seqs
+    return max(1, min(MAX_KV_CACHE_GIB, -(-needed // 2**30)))
 
 
 def _max_position_embeddings(model_dir: Path) -> int:

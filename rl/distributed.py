@@ -1,20 +1,32 @@
 """Data-parallel optimisation steps over torch.distributed (gloo on CPU, NCCL when CUDA is present).
 
-`DataParallelGroup` starts `world_size` rank processes once (torch.multiprocessing, spawn). Each
-builds its model, optimizer and optional reference model from the picklable factories it is given;
-rank 0's weights are broadcast so the replicas start identical. The trainer worker then drives it:
+`DataParallelGroup` starts `world_size` rank processes once. Each builds its model, optimizer and
+optional reference model from the picklable factories it is given; rank 0's weights are broadcast
+so the replicas start identical. The trainer worker then drives it:
 
     with DataParallelGroup(2, model_fn, optimizer_fn) as group:
         plan = plan_step(samples, advantage=..., loss=..., batch=BatchConfig(world_size=2), pad_token_id=0)
-        metrics = group.step(plan.shards, loss_cfg, grad_clip=1.0)   # rank 0's metrics
+        metrics = group.step(plan.shards, loss_cfg, grad_clip=1.0, seed=7)  # rank 0's metrics
         weights = group.state_dict()                                 # rank 0's weights, to checkpoint
+        state = group.optimizer_state_dict()                         # rank 0's optimizer, to checkpoint
+        group.load_optimizer_state_dict(state)                       # a restore: into every replica
+        probe = group.call(fn)                                       # fn(model) on rank 0
 
 In a step every rank accumulates the gradients of its own shard (rl/step.py), the gradients are
 all-reduced and divided by world_size (what DDP does; each loss share carries x world_size, see
 rl/losses.py, so the average is exactly the full-batch gradient), the metric totals are all-reduced,
-and every rank clips and steps the same averaged gradients, so the replicas stay identical.
+and every rank clips and steps the same averaged gradients, so the replicas -- weights AND
+optimizer state -- stay identical; rank 0's copies therefore stand for the whole group, and a
+checkpoint of them restores any world size. A step given a seed reseeds rank r's torch generator
+with seed * world_size + r first, so a replayed step draws the same random numbers.
 A failure on any rank closes the group and raises in the caller with that rank's traceback.
 With NCCL, rank r uses cuda:r, so world_size must not exceed the visible GPUs.
+
+Ranks are forked from a fork server (torch.multiprocessing 'forkserver'), not spawned: the server
+is started by the first group of a process and imports torch, this module and the group's
+`preload` modules once, so every later group (a restore, the next run) starts in about half a
+second instead of importing torch and transformers again in every rank (~6 CPU-seconds each).
+The server never touches CUDA, so forking from it is as safe as spawning.
 """
 
 import os
@@ -47,8 +59,22 @@ BUCKET_NUMEL = 1 << 24  # gradients are all-reduced in flat buckets of at most t
 
 @dataclass(frozen=True)
 class _Command:
-    kind: Literal["step", "state_dict", "load_state_dict", "close"]
+    kind: Literal["step", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
+                  "call", "close"]
+    """A method of `_Replica` (or close)."""
     payload: Any = None
+
+
+def cpu_copy(tree: Any) -> Any:
+    """A detached CPU copy of every tensor in nested dicts/lists/tuples (a state_dict, an
+    optimizer state); other leaves are kept. Copies never alias the live model's storage."""
+    if isinstance(tree, Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(cpu_copy(v) for v in tree)
+    return tree
 
 
 def average_gradients(model: nn.Module, world_size: int, device: torch.device) -> None:
@@ -97,6 +123,76 @@ def _broadcast_module(module: nn.Module) -> None:
             dist.broadcast(t, src=0)
 
 
+@dataclass
+class _Replica:
+    """One rank's model, optimizer and optional frozen reference; each method serves one command
+    kind and returns rank 0's answer (other ranks return None: the replicas are identical)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    ref_model: nn.Module | None
+
+    def step(self, payload: tuple[Sequence[TrainBatch], LossConfig, float | None, int | None]) -> Any:
+        shard, cfg, grad_clip, seed = payload
+        if seed is not None:
+            torch.manual_seed(seed * self.world_size + self.rank)   # distinct per rank, same on replay
+        self.model.zero_grad(set_to_none=True)
+        totals = accumulate_gradients(self.model, shard, cfg, self.ref_model)   # this rank's shares, summed
+        average_gradients(self.model, self.world_size, self.device)            # / world_size, as DDP
+        reduce_totals(totals, self.device)
+        grad_norm = apply_gradients(self.model, self.optimizer, grad_clip)     # same gradients on every rank
+        return self._rank0(lambda: totals.summary(shard[0].stats, grad_norm))
+
+    def state_dict(self, _: None) -> Any:
+        return self._rank0(lambda: cpu_copy(self.model.state_dict()))
+
+    def optimizer_state_dict(self, _: None) -> Any:
+        return self._rank0(lambda: cpu_copy(self.optimizer.state_dict()))
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        # Private copies: tensors sent through the queues live in shared memory that EVERY rank maps,
+        # and load_state_dict keeps them as they are when dtype and device already match, so the
+        # ranks' in-place Adam updates would all land in one tensor.
+        self.optimizer.load_state_dict(cpu_copy(state))
+
+    def call(self, fn: Callable[[nn.Module], Any]) -> Any:
+        return self._rank0(lambda: fn(self.model))
+
+    def _rank0(self, answer: Callable[[], Any]) -> Any:
+        return answer() if self.rank == 0 else None
+
+
+def _build_replica(
+    rank: int, world_size: int, init_file: str, model_fn: ModelFn, optimizer_fn: OptimizerFn,
+    ref_model_fn: ModelFn | None, timeout_s: float,
+) -> _Replica:
+    """Join the process group, build the replica and make its weights equal to rank 0's."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+        world_size=world_size, timeout=timedelta(seconds=timeout_s),
+    )
+    model = model_fn().to(device)
+    _broadcast_module(model)
+    optimizer = optimizer_fn(model.parameters())
+    ref_model = ref_model_fn().to(device) if ref_model_fn is not None else None
+    if ref_model is not None:
+        ref_model.requires_grad_(False)
+        _broadcast_module(ref_model)
+    return _Replica(rank, world_size, device, model, optimizer, ref_model)
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -111,38 +207,14 @@ def _rank_main(
     """One rank: build, then serve commands until 'close'. Every command is answered on `outbox`."""
     parent = os.getppid()
     try:
-        use_cuda = torch.cuda.is_available()
-        device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
-        if use_cuda:
-            torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
-            world_size=world_size, timeout=timedelta(seconds=timeout_s),
-        )
-        model = model_fn().to(device)
-        _broadcast_module(model)
-        optimizer = optimizer_fn(model.parameters())
-        ref_model = ref_model_fn().to(device) if ref_model_fn is not None else None
-        if ref_model is not None:
-            ref_model.requires_grad_(False)
-            _broadcast_module(ref_model)
+        replica = _build_replica(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, timeout_s)
         outbox.put((rank, "ok", None))
     except Exception:
         outbox.put((rank, "error", traceback.format_exc()))
         return
     while (cmd := _next_command(inbox, parent)).kind != "close":
         try:
-            if cmd.kind == "step":
-                shard, cfg, grad_clip = cmd.payload
-                result: Any = _rank_step(model, optimizer, ref_model, shard, cfg, grad_clip, world_size, device)
-            elif cmd.kind == "state_dict":
-                result = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-            else:
-                model.load_state_dict(cmd.payload)
-                result = None
-            outbox.put((rank, "ok", result if rank == 0 else None))
+            outbox.put((rank, "ok", getattr(replica, cmd.kind)(cmd.payload)))
         except Exception:
             outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
@@ -158,24 +230,6 @@ def _next_command(inbox: "mp.Queue[_Command]", parent: int) -> _Command:
                 return _Command("close")
 
 
-def _rank_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    ref_model: nn.Module | None,
-    shard: Sequence[TrainBatch],
-    cfg: LossConfig,
-    grad_clip: float | None,
-    world_size: int,
-    device: torch.device,
-) -> dict[str, float]:
-    model.zero_grad(set_to_none=True)
-    totals = accumulate_gradients(model, shard, cfg, ref_model)   # this rank's shares, summed
-    average_gradients(model, world_size, device)                 # / world_size, as DDP
-    reduce_totals(totals, device)
-    grad_norm = apply_gradients(model, optimizer, grad_clip)     # same averaged gradients on every rank
-    return totals.summary(shard[0].stats, grad_norm)
-
-
 class DataParallelGroup:
     """`world_size` persistent rank processes holding replicas of one model (see the module docstring)."""
 
@@ -187,9 +241,13 @@ class DataParallelGroup:
         *,
         ref_model_fn: ModelFn | None = None,
         timeout_s: float = 1800.0,
+        preload: Sequence[str] = (),
     ) -> None:
-        """Start the ranks and wait until each has built its model; `timeout_s` bounds every command."""
-        ctx = mp.get_context("spawn")
+        """Start the ranks and wait until each has built its model; `timeout_s` bounds every command.
+        `preload`: modules the fork server imports (those the factories need, e.g. the model's
+        library); it counts only while this process has no fork server yet (the first group)."""
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", __name__, *preload])
         self.world_size = world_size
         self._timeout_s = timeout_s
         self._dir = tempfile.mkdtemp(prefix="rlpipe-dp-")   # the file rendezvous: no port to pick
@@ -209,9 +267,11 @@ class DataParallelGroup:
         self._collect()
 
     def step(
-        self, shards: Sequence[Sequence[TrainBatch]], cfg: LossConfig, *, grad_clip: float | None
+        self, shards: Sequence[Sequence[TrainBatch]], cfg: LossConfig, *, grad_clip: float | None,
+        seed: int | None = None,
     ) -> dict[str, float]:
-        """One optimisation step: rank r trains on `shards[r]` (from `batching.plan_step`); rank 0's metrics."""
+        """One optimisation step: rank r trains on `shards[r]` (from `batching.plan_step`); rank 0's
+        metrics. `seed` (None: leave the generators alone) makes the step's randomness replayable."""
         if len(shards) != self.world_size or any(not s for s in shards):
             raise ValueError(
                 f"step needs {self.world_size} shards of at least one micro-batch each (plan_step makes them)"
@@ -221,20 +281,29 @@ class DataParallelGroup:
                 f"the micro-batches were planned for another world size: plan with batch.world_size={self.world_size}"
             )
         for rank, shard in enumerate(shards):
-            self._inboxes[rank].put(_Command("step", (list(shard), cfg, grad_clip)))
+            self._inboxes[rank].put(_Command("step", (list(shard), cfg, grad_clip, seed)))
         return self._collect()
 
     def state_dict(self) -> dict[str, Tensor]:
         """A CPU copy of rank 0's model weights (all replicas hold the same)."""
-        for inbox in self._inboxes:
-            inbox.put(_Command("state_dict"))
-        return self._collect()
+        return self._broadcast(_Command("state_dict"))
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """A CPU copy of rank 0's optimizer state (all replicas hold the same)."""
+        return self._broadcast(_Command("optimizer_state_dict"))
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load the same weights into every replica (the optimizer state is kept)."""
-        for inbox in self._inboxes:
-            inbox.put(_Command("load_state_dict", state))
-        self._collect()
+        self._broadcast(_Command("load_state_dict", state))
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the same optimizer state into every replica (e.g. from a checkpoint)."""
+        self._broadcast(_Command("load_optimizer_state_dict", state))
+
+    def call(self, fn: Callable[[nn.Module], Any]) -> Any:
+        """fn(model) on rank 0's replica, e.g. an evaluation of the live weights; `fn` must pickle
+        (a module-level function or a functools.partial of one) and should not change the model."""
+        return self._broadcast(_Command("call", fn))
 
     def close(self) -> None:
         """Stop the ranks and remove the rendezvous directory; safe to call twice."""
@@ -253,6 +322,12 @@ class DataParallelGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _broadcast(self, cmd: _Command) -> Any:
+        """Send `cmd` to every rank; rank 0's answer."""
+        for inbox in self._inboxes:
+            inbox.put(cmd)
+        return self._collect()
 
     def _collect(self) -> Any:
         """Wait for one answer from every rank; return rank 0's. Any error or death closes the group."""

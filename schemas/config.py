@@ -98,6 +98,17 @@ class SyncConfig(Strict):
     timeout_s: float = Field(600.0, gt=0)
 
 
+class EvalConfig(Strict):
+    """Held-out evaluation of published versions (greedy, through an inference server)."""
+
+    prompts: int = Field(100, ge=0)
+    """Eval prompts per evaluation (the first ones of the environment's eval split); 0 disables."""
+    every_versions: int | None = Field(None, ge=1)
+    """Also evaluate every this many published versions; the base and the final version always are."""
+    max_tokens: int = Field(64, ge=1)
+    """Tokens per model turn during evaluation."""
+
+
 class RunConfig(Strict):
     """One training run. Defaults give a short run of the tiny test model on arithmetic."""
 
@@ -121,6 +132,7 @@ class RunConfig(Strict):
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
     sync: SyncConfig = SyncConfig()
+    eval: EvalConfig = EvalConfig()
     continue_as_new_every: int | None = Field(None, ge=1)
     """Continue-as-new after this many steps in one workflow run (besides when Temporal suggests
     it); keeps histories short in very long runs and lets tests exercise the hand-over."""

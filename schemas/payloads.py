@@ -70,6 +70,7 @@ class RunState:
     steps_this_run: int = 0
     """Steps since the last continue-as-new."""
     last_step_summary: StepSummary | None = None
+    evals: list[EvalSummary] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RunStatus:
     sync_interval: int
     max_staleness: int
     last_step: StepSummary | None
+    evals: list[EvalSummary] = field(default_factory=list)
 
 
 @dataclass
@@ -270,6 +272,23 @@ class SyncResult:
     """ok | failed | rolled_back | refused"""
     total_s: float
     error: str | None = None
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+@dataclass
+class EvalInput:
+    run_id: str
+    version: int
+    server: str
+
+
+@dataclass
+class EvalSummary:
+    version: int
+    n_prompts: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
 
 
 # -- bookkeeping -----------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ from infra.settings import LOOPBACK, StackSettings
 from infra.stack import Stack
 
 
+WORKFLOW_LOGIC_NAMESPACE = "rlpipe-workflow-logic"
+"""Where tests/workflows run their fake activities: the session's real workers poll the same task
+queue names in the main namespace and would take the fakes' tasks."""
+
+
 def free_port_block(count: int) -> int:
     """The first of `count` consecutive free loopback ports, picked at random above 20000."""
     for _ in range(200):
@@ -36,7 +41,8 @@ def test_stack_settings(home: Path) -> StackSettings:
     return StackSettings(
         home=home, temporal_port=base, temporal_ui_port=base + 1, temporal_http_port=base + 2,
         temporal_metrics_port=base + 3, postgres_port=base + 4, s3_port=base + 5, seaweed_base_port=base + 6,
-        inference_base_port=base + 14,
+        inference_base_port=base + 14, metrics_base_port=0,  # workers pick free metrics ports
+        temporal_extra_namespaces=[WORKFLOW_LOGIC_NAMESPACE],
     )
 
 

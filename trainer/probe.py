@@ -24,7 +24,7 @@ def probe_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]
 def teacher_forced_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
     """log p(token_ids[i] | token_ids[:i]) for i >= 1 under raw logits (temperature 1), the same
     quantity vLLM returns as prompt logprobs."""
-    ids = torch.tensor([token_ids])                                               # (1, T)
+    ids = torch.tensor([token_ids], device=_device(model))                       # (1, T)
     logits = model(input_ids=ids).logits[0, :-1].float()                          # (T-1, V)
     logprobs = torch.log_softmax(logits, dim=-1)                                  # (T-1, V)
     return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()             # (T-1,)
@@ -36,16 +36,21 @@ def greedy_ids(model: torch.nn.Module, prompt_ids: list[int], tokens: int = GREE
     token (the server is asked with ignore_eos, which keeps sampling past it the same way)."""
     ids = list(prompt_ids)
     for _ in range(tokens):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]               # (V,)
+        logits = model(input_ids=torch.tensor([ids], device=_device(model))).logits[0, -1]   # (V,)
         ids.append(int(logits.argmax()))
     return ids[len(prompt_ids):]
 
 
-def make_probe(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> dict[str, list]:
+def make_probe(model: torch.nn.Module, prompt_ids: list[int], scored_ids: list[int]) -> dict[str, list]:
+    """The probe record of `model` for the ids of `probe_ids`. Takes ids, not the tokenizer, so that
+    it can run where the weights live (a data-parallel rank: `functools.partial` of it pickles small)."""
     was_training = model.training
     model.eval()
-    prompt, scored = probe_ids(tokenizer)
-    probe = {"token_ids": scored, "logprobs": teacher_forced_logprobs(model, scored),
-             "prompt_ids": prompt, "greedy_ids": greedy_ids(model, prompt)}
+    probe = {"token_ids": scored_ids, "logprobs": teacher_forced_logprobs(model, scored_ids),
+             "prompt_ids": prompt_ids, "greedy_ids": greedy_ids(model, prompt_ids)}
     model.train(was_training)
     return probe
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device

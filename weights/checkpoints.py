@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from policy.checkpoint import WEIGHTS_FILE
-from storage.object_store import ObjectStore
+from storage.object_store import ObjectStore, sha256_file
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,31 @@ def load_manifest(store: ObjectStore, key: str) -> Manifest:
     return Manifest.from_json(store.get_bytes(key))
 
 
+def local_version_dir(root: Path, run_id: str, version: int) -> Path:
+    """Where a machine keeps version `version` of a run under `root`: the trainer publishes from
+    here, and a sidecar that shares the trainer's filesystem reloads from here (no S3 round trip)."""
+    return root / run_id / f"v{version:06d}"
+
+
 def download_checkpoint(store: ObjectStore, manifest: Manifest, dest: Path) -> int:
     """Fetch the checkpoint's files into `dest`, each verified against its sha256 (a mismatch
     raises DigestMismatch and leaves no file). Files already present and verified are kept.
     Returns the bytes downloaded."""
-    from storage.object_store import sha256_file
-
     dest.mkdir(parents=True, exist_ok=True)
     fetched = 0
     for name, stored in manifest.files.items():
         target = dest / name
-        if target.exists() and target.stat().st_size == stored.size and sha256_file(target) == stored.sha256:
+        if _intact(target, stored):
             continue
         store.get_file(stored.key, target, expected_sha256=stored.sha256)
         fetched += stored.size
     return fetched
+
+
+def missing_or_altered(manifest: Manifest, directory: Path) -> list[str]:
+    """Names of the manifest's files that `directory` lacks or holds with other bytes."""
+    return [name for name, stored in manifest.files.items() if not _intact(directory / name, stored)]
+
+
+def _intact(path: Path, stored: StoredFile) -> bool:
+    return path.exists() and path.stat().st_size == stored.size and sha256_file(path) == stored.sha256

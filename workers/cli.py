@@ -267,6 +267,82 @@ def cmd_run_list(args: argparse.Namespace) -> None:
     console.print(table)
 
 
+def cmd_codec(args: argparse.Namespace) -> None:
+    from security.codec import EncryptionCodec
+    from security.codec_server import serve
+
+    codec = EncryptionCodec.from_environment()
+    if codec is None:
+        raise CliError("RLPIPE_PAYLOAD_KEY is not set: there is nothing to decode with")
+    server = serve(codec, args.host, args.port, args.origin)
+    console.print(f"codec server on http://{args.host}:{server.server_port} (UI origin {args.origin}); "
+                  f"start the stack with ui_codec_endpoint = \"http://{args.host}:{server.server_port}\"")
+    server.serve_forever()
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from workers.demo import run_demo
+
+    sys.exit(run_demo(args.config_file))
+
+
+def _observe(tool: str, argv: list[str]) -> int:
+    """`rlpipe report|doctor ...` is `python -m observe.report|doctor ...`."""
+    if tool == "report":
+        from observe.report import main as report_main
+
+        return report_main(argv)
+    from observe.doctor import main as doctor_main
+
+    return doctor_main(argv)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Evaluate the version an inference server holds, directly (no Temporal), and record it."""
+    import asyncio
+
+    import httpx
+
+    from evaluation.heldout import evaluate_served_version
+    from graders.base import GraderDeps
+    from graders.registry import build_rubric_graders
+    from inference.client import InferenceClient
+    from infra.inference import SERVED_MODEL_NAME
+    from rollout.context import RunContexts
+    from sandbox.executor import SandboxExecutor
+    from sandbox.runner import Sandbox
+    from storage.db import Database
+    from storage.evals import record_eval
+    from workers.common import endpoints, server_urls
+
+    ep = endpoints()
+    urls = server_urls(ep)
+    if args.server not in urls:
+        raise CliError(f"no inference server '{args.server}' (known: {sorted(urls) or 'none'})")
+    db = Database(ep.database_url)
+    ctx = RunContexts(db).get(args.run)
+    prompts = args.prompts if args.prompts is not None else ctx.config.eval.prompts
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with Sandbox() as sandbox, httpx.AsyncClient(timeout=120) as http, \
+                InferenceClient(urls[args.server], SERVED_MODEL_NAME, route="generate") as client:
+            executor = SandboxExecutor(sandbox)
+            rubric, graders = build_rubric_graders(ctx.env.rubric, ctx.config.grader, GraderDeps(executor, http))
+            version = args.version if args.version is not None else int(await client.weight_version())
+            return version, await evaluate_served_version(client, ctx.env, ctx.tokenizer, executor, rubric, graders,
+                                                          version, prompts, ctx.config.eval.max_tokens,
+                                                          ctx.config.model.max_model_len)
+
+    version, outcome = asyncio.run(go())
+    low, high = outcome.interval
+    with db.begin() as s:
+        record_eval(s, run_id=args.run, version=version, split="eval", n_prompts=outcome.n_prompts,
+                    n_correct=outcome.n_correct, mean_reward=outcome.mean_reward,
+                    details={"ci95": [low, high], "server": args.server, "by": "rlpipe eval"})
+    console.print(f"run {args.run} v{version}: accuracy {outcome.accuracy:.1%} (95% CI {low:.1%}–{high:.1%}) "
+                  f"on {outcome.n_prompts} held-out prompts, mean reward {outcome.mean_reward:.3f}")
+
+
 # -- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description=__doc__)
@@ -332,6 +408,32 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--max-staleness", type=int)
     command(run, "cancel", cmd_run_cancel, "cancel a run").add_argument("run")
     command(run, "list", cmd_run_list, "runs known to Temporal")
+    report = groups.add_parser("report", help="plots and a summary page for a run (PNG, markdown, HTML)")
+    report.add_argument("run")
+    report.add_argument("--out", type=Path, help="output directory (default reports/RUN)")
+    report.set_defaults(fn=lambda a: sys.exit(_observe("report", [a.run, *(["--out", str(a.out)] if a.out else [])])))
+    doctor = groups.add_parser("doctor", help="diagnose a run: evidence, verdict and remedy per check; exit 1 "
+                                              "on a problem")
+    doctor.add_argument("run")
+    doctor.set_defaults(fn=lambda a: sys.exit(_observe("doctor", [a.run])))
+
+    codec = groups.add_parser("codec", help="serve the payload codec so the Web UI can show encrypted payloads")
+    codec.add_argument("--host", default="127.0.0.1")
+    codec.add_argument("--port", type=int, default=18234)
+    codec.add_argument("--origin", default="http://127.0.0.1:18233", help="the Temporal UI's origin (CORS)")
+    codec.set_defaults(fn=cmd_codec)
+
+    demo = groups.add_parser("demo", help="the main job: prepare SmolLM2, start everything, train, evaluate, report")
+    demo.add_argument("config_file", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "configs"
+                      / "demo.toml")
+    demo.set_defaults(fn=cmd_demo)
+
+    evaluate = groups.add_parser("eval", help="held-out accuracy of the version a server holds")
+    evaluate.add_argument("run")
+    evaluate.add_argument("--version", type=int, help="the version to evaluate (the server must hold it)")
+    evaluate.add_argument("--server", default="0", help="inference server id")
+    evaluate.add_argument("--prompts", type=int, help="eval prompts (default: the run's eval.prompts)")
+    evaluate.set_defaults(fn=cmd_eval)
     return parser
 
 
@@ -350,7 +452,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from workers.launcher import WorkerStartError
         from workers.run_commands import RunCommandError
 
-        if isinstance(exc, StackError | SettingsError | ConfigError | RunCommandError | WorkerStartError):
+        from evaluation.heldout import WrongVersionServed
+
+        if isinstance(exc, StackError | SettingsError | ConfigError | RunCommandError | WorkerStartError |
+                      WrongVersionServed):
             console.print(f"[red]error:[/] {exc}")
             sys.exit(2)
         raise

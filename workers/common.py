@@ -6,16 +6,19 @@ INFERENCE_URLS), else from the local stack's state directory (`infra.endpoints`)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import DataConverter
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from infra.endpoints import Endpoints, resolve_endpoints
 from infra.process import free_port
 from infra.settings import load_settings
+from security.codec import EncryptionCodec
 
 # Modules that workflow code imports (through `imports_passed_through`) and that must be shared
 # with the worker rather than re-imported in every workflow sandbox.
@@ -26,10 +29,16 @@ def endpoints() -> Endpoints:
     return resolve_endpoints(load_settings())
 
 
+def data_converter() -> DataConverter:
+    """Payloads may be pydantic models (RunConfig) or dataclasses; with RLPIPE_PAYLOAD_KEY set they
+    are encrypted before they reach Temporal (security/codec.py)."""
+    codec = EncryptionCodec.from_environment()
+    return dataclasses.replace(pydantic_data_converter, payload_codec=codec) if codec else pydantic_data_converter
+
+
 async def connect(ep: Endpoints, runtime: Runtime | None = None) -> Client:
-    """A Temporal client whose payloads may be pydantic models (RunConfig) or dataclasses."""
     return await Client.connect(ep.temporal_address, namespace=ep.temporal_namespace,
-                                data_converter=pydantic_data_converter, runtime=runtime)
+                                data_converter=data_converter(), runtime=runtime)
 
 
 def start_metrics(name: str, kind: str, boxes: tuple[str, ...], server: str | None = None) -> Runtime:

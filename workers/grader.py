@@ -1,10 +1,11 @@
-"""The grader worker: rewards for finished groups (grader queue), with its own concurrency."""
+"""The grader worker: rewards for finished groups, and held-out evaluations (grader queue)."""
 
 from __future__ import annotations
 
 import httpx
 from temporalio.worker import Worker
 
+from activities.evaluation import EvaluationActivities
 from activities.grading import GradingActivities
 from graders.base import GraderDeps
 from rollout.context import RunContexts
@@ -13,7 +14,7 @@ from sandbox.executor import SandboxExecutor
 from sandbox.runner import Sandbox
 from schemas.payloads import GRADER_QUEUE
 from storage.db import Database
-from workers.common import connect, endpoints, setup_logging, start_metrics
+from workers.common import connect, endpoints, server_urls, setup_logging, start_metrics
 
 
 async def run_grader_worker(max_concurrent_groups: int = 32) -> None:
@@ -22,8 +23,11 @@ async def run_grader_worker(max_concurrent_groups: int = 32) -> None:
     client = await connect(ep, start_metrics("grader", "grader", ("grader",)))
     db = Database(ep.database_url)
     async with Sandbox(SandboxConfig()) as sandbox, httpx.AsyncClient(timeout=120) as http:
-        grading = GradingActivities(db, RunContexts(db), GraderDeps(executor=SandboxExecutor(sandbox), http_client=http))
-        worker = Worker(client, task_queue=GRADER_QUEUE, activities=[grading.grade_group],
+        contexts, executor = RunContexts(db), SandboxExecutor(sandbox)
+        deps = GraderDeps(executor=executor, http_client=http)
+        grading = GradingActivities(db, contexts, deps)
+        evaluation = EvaluationActivities(db, contexts, server_urls(ep), executor, deps)
+        worker = Worker(client, task_queue=GRADER_QUEUE, activities=[grading.grade_group, evaluation.evaluate],
                         max_concurrent_activities=max_concurrent_groups)
         log.info("serving %s", GRADER_QUEUE)
         await worker.run()

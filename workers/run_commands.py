@@ -66,6 +66,11 @@ async def run_status(client: Client, run: str) -> RunStatus:
         raise RunCommandError(f"no run '{run}' to ask: {exc.message}") from exc
 
 
+async def final_status(client: Client, run: str) -> RunStatus:
+    """The status of a closed run (queries still answer from its last state)."""
+    return await client.get_workflow_handle(workflow_id(run)).query(TrainingRunWorkflow.status)
+
+
 async def pause(client: Client, run: str, reason: str) -> RunStatus:
     return await _update(client, run, TrainingRunWorkflow.pause, PauseRequest(reason))
 
@@ -112,6 +117,9 @@ def status_table(status: RunStatus) -> Table:
         table.add_row("last step", f"#{last.step}: reward {last.reward_mean:.3f}, loss {last.loss:.4f}, "
                                    f"staleness ≤ {last.staleness_max}, {last.n_tokens} tokens, {last.duration_s:.1f}s")
     table.add_row("schedule", f"sync every {status.sync_interval} step(s), max staleness {status.max_staleness}")
+    for result in status.evals:
+        table.add_row(f"eval v{result.version}", f"accuracy {result.accuracy:.1%} "
+                                                f"(95% CI {result.ci_low:.1%}–{result.ci_high:.1%}, n={result.n_prompts})")
     return table
 
 

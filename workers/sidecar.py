@@ -1,17 +1,35 @@
 """The sync sidecar beside one inference server: loads published versions into it (queue
-`inference-<server>`). Run one per server, on the server's machine when it is remote."""
+`inference-<server>`) and watches that it keeps holding one. Run one per server, on the
+server's machine when it is remote.
+
+RLPIPE_SHARED_CHECKPOINTS=DIR: the trainer's published checkpoints (`<DIR>/<run>/v<version>`)
+are readable here — the trainer and this server share a filesystem — so syncs reload from
+there (sha256-checked) instead of downloading from S3. Unset: always S3.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+from pathlib import Path
+
+from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.sync import SyncActivities
+from infra.inference import SERVED_MODEL_NAME
 from infra.settings import load_settings
-from rollout.context import RunContexts
 from schemas.payloads import sync_queue
 from storage.db import Database
 from storage.object_store import ObjectStore
+from storage.syncs import run_workflow_id
+from weights.sidecar import Sidecar, StateListener
 from workers.common import connect, endpoints, server_urls, setup_logging, start_metrics
+
+SHARED_CHECKPOINTS_ENV = "RLPIPE_SHARED_CHECKPOINTS"
+SERVER_STATE_SIGNAL = "server_state"
+"""Signal to the TrainingRun workflow: {"server": id, "version": int | None} (None: do not route
+rollouts to it; a version: it verifiably holds that one again)."""
 
 
 async def run_sidecar_worker(server: str) -> None:
@@ -23,8 +41,26 @@ async def run_sidecar_worker(server: str) -> None:
                          "(INFERENCE_URLS or `rlpipe stack up --inference N`)")
     client = await connect(ep, start_metrics(f"sidecar-{server}", "sidecar", ("sync",), server))
     db = Database(ep.database_url)
-    work_dir = load_settings().home.resolve() / f"sidecar-{server}"
-    syncs = SyncActivities(db, ObjectStore.from_endpoints(ep), RunContexts(db), server, urls[server], work_dir)
-    worker = Worker(client, task_queue=sync_queue(server), activities=[syncs.sync_weights])
-    log.info("serving %s for %s", sync_queue(server), urls[server])
-    await worker.run()
+    shared = os.environ.get(SHARED_CHECKPOINTS_ENV)
+    sidecar = Sidecar(db, ObjectStore.from_endpoints(ep), server, urls[server],
+                      load_settings().home.resolve() / f"sidecar-{server}", model_name=SERVED_MODEL_NAME,
+                      shared_dir=Path(shared).resolve() if shared else None,
+                      on_state=_signal_run(client, db, server))
+    worker = Worker(client, task_queue=sync_queue(server), activities=[SyncActivities(db, sidecar).sync_weights])
+    log.info("serving %s for %s (checkpoints from %s)", sync_queue(server), urls[server], shared or "S3")
+    await asyncio.gather(worker.run(), sidecar.watch())
+
+
+def _signal_run(client: Client, db: Database, server: str) -> StateListener:
+    """Tell a run's workflow what this server verifiably holds, so that it routes rollouts only
+    to servers on a known version."""
+
+    async def signal(run_id: str, version: int | None) -> None:
+        def workflow_id() -> str:
+            with db.begin() as s:
+                return run_workflow_id(s, run_id)
+
+        handle = client.get_workflow_handle(await asyncio.to_thread(workflow_id))
+        await handle.signal(SERVER_STATE_SIGNAL, {"server": server, "version": version})
+
+    return signal

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from temporalio.worker import Worker
 
 from activities.training import TrainingActivities
@@ -22,12 +21,13 @@ async def run_trainer_worker() -> None:
     client = await connect(ep, start_metrics("trainer", "trainer", ("trainer",)))
     db = Database(ep.database_url)
     start_db_refresh(METRICS, db.begin)  # buffer depth, staleness and shares from Postgres
-    work_dir = load_settings().home.resolve() / "trainer"
-    work_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), work_dir)
+    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), load_settings().home.resolve() / "trainer")
     training = TrainingActivities(db, trainer)
     # one activity at a time: the model is a single in-memory state advanced step by step
     worker = Worker(client, task_queue=TRAINER_QUEUE, activities=[training.init_policy, training.train_step],
                     max_concurrent_activities=1)
     log.info("serving %s", TRAINER_QUEUE)
-    await worker.run()
+    try:
+        await worker.run()
+    finally:
+        trainer.close()  # stop the data-parallel ranks (they also exit by themselves if this process dies)

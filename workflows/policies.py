@@ -29,6 +29,11 @@ TRAIN = {"start_to_close_timeout": timedelta(hours=2), "heartbeat_timeout": time
 """A train step may take long; it heartbeats, and a killed trainer's step is retried on a new one."""
 
 
+EVALUATE = {"start_to_close_timeout": timedelta(minutes=30), "heartbeat_timeout": timedelta(seconds=60),
+            "retry_policy": retry(3, first_s=2)}
+"""A held-out evaluation: a few hundred greedy episodes through one server."""
+
+
 def sync_options(timeout_s: float) -> dict[str, object]:
     return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=60),
             "retry_policy": retry(5, first_s=2, max_s=30)}

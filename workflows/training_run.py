@@ -28,8 +28,11 @@ with workflow.unsafe.imports_passed_through():
 
     from schemas.config import RunConfig, describe_validation_error
     from schemas.payloads import (
+        GRADER_QUEUE,
         TRAINER_QUEUE,
         WORKFLOW_QUEUE,
+        EvalInput,
+        EvalSummary,
         FailureRecord,
         GroupInput,
         GroupSummary,
@@ -48,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
         TrainStepInput,
         sync_queue,
     )
-    from workflows.policies import BOOKKEEPING, TRAIN, sync_options
+    from workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
     from workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
 
 RUN_NAME = SearchAttributeKey.for_keyword("RunName")
@@ -60,9 +63,12 @@ PHASE = SearchAttributeKey.for_keyword("Phase")
 
 @workflow.defn
 class TrainingRunWorkflow:
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, config: RunConfig, carried: RunState | None = None) -> None:
+        # the carried state is in place before any handler runs: signals of groups that finished
+        # during continue-as-new are delivered with the new run's first task, ahead of `run`
         self.config = RunConfig()
-        self.state = RunState()
+        self.state = carried if carried is not None else RunState()
         self.stopping = False
         self.sync_task: asyncio.Task[None] | None = None
 
@@ -73,7 +79,6 @@ class TrainingRunWorkflow:
         if carried is None:
             await self._start()
         else:
-            self.state = carried
             self.state.steps_this_run = 0
         self._publish_attributes()
         try:
@@ -114,6 +119,7 @@ class TrainingRunWorkflow:
         if not self.state.server_versions:
             raise ApplicationError("no inference server could load the base policy (see sync_events/failures)",
                                    non_retryable=True)
+        await self._evaluate(base.version)  # the baseline, before any rollout can move the weights
         self._set_phase("running")
 
     # -- rollouts -----------------------------------------------------------------------------------
@@ -213,8 +219,8 @@ class TrainingRunWorkflow:
         if summary.published is not None:
             s.version = summary.published.version
             s.version_steps.append(summary.published.trained_steps)
-            await self._await_sync()  # syncs happen in version order
-            self.sync_task = asyncio.create_task(self._sync(summary.published.version))
+            await self._await_sync()  # syncs (and the evaluations after them) happen in version order
+            self.sync_task = asyncio.create_task(self._sync_and_evaluate(summary.published.version, step))
         self._set_phase("running")
         self._publish_attributes()
 
@@ -236,6 +242,32 @@ class TrainingRunWorkflow:
                                                     activity_id=f"sync-{server}-v{version}"),
                     task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
         self._publish_attributes()
+
+    async def _sync_and_evaluate(self, version: int, step: int) -> None:
+        await self._sync(version)
+        every = self.config.eval.every_versions
+        if step == self.config.steps or (every is not None and version % every == 0):
+            await self._evaluate(version)
+
+    async def _evaluate(self, version: int) -> None:
+        """Held-out accuracy of `version` on a server that holds it. Awaited before the next sync,
+        so the server cannot change weights under the evaluation."""
+        holders = sorted(name for name, v in self.state.server_versions.items() if v == version)
+        if not self.config.eval.prompts or not holders:
+            return
+        self._set_phase(f"evaluating v{version}")
+        try:
+            result: EvalSummary = await workflow.execute_activity(
+                "evaluate", EvalInput(self.config.name, version, holders[0]), result_type=EvalSummary,
+                task_queue=GRADER_QUEUE, **EVALUATE)
+            self.state.evals.append(result)
+        except ActivityError as err:  # an evaluation is worth having, not worth stopping the run for
+            await workflow.execute_activity(
+                "record_failure", FailureRecord(self.config.name, "eval", f"evaluation of v{version} failed: "
+                                                f"{_describe(err)}", workflow_id=workflow.info().workflow_id,
+                                                activity_id=f"eval-v{version}"),
+                task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+        self._set_phase("running")
 
     async def _await_sync(self) -> None:
         if self.sync_task is not None:
@@ -261,7 +293,8 @@ class TrainingRunWorkflow:
                          in_flight=len(s.in_flight), buffered=len(s.ready), groups_completed=s.groups_completed,
                          groups_consumed=s.groups_consumed, groups_dropped=s.groups_dropped,
                          groups_failed=s.groups_failed, paused=s.paused, pause_reason=s.pause_reason,
-                         sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary)
+                         sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
+                         evals=list(s.evals))
 
     @workflow.update
     async def pause(self, request: PauseRequest) -> RunStatus:

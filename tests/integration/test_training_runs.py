@@ -11,56 +11,18 @@ import uuid
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from infra.inference import SERVED_MODEL_NAME
 from inference.client import InferenceClient
 from infra.temporal import temporal_binary
-from schemas.config import RunConfig, load_run_config
 from schemas.payloads import WORKFLOW_QUEUE
 from storage.db import Database
+from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
 from workers.run_commands import start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
-
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-arithmetic.toml"
-RUN_TIMEOUT_S = 600
-
-
-def tiny_config(tiny_model: Path, **overrides: object) -> RunConfig:
-    base = load_run_config(CONFIG, {"name": f"e2e-{uuid.uuid4().hex[:8]}", "steps": 3})
-    data = base.model_dump(mode="json") | {"model": {"path": str(tiny_model), "max_model_len": 512}}
-    for key, value in overrides.items():
-        data[key] = value | data[key] if isinstance(value, dict) and isinstance(data.get(key), dict) else value
-    return RunConfig.model_validate(data)
-
-
-def rows(db: Database, sql: str, **params: object) -> list[sa.Row]:
-    with db.begin() as s:
-        return list(s.execute(sa.text(sql), params))
-
-
-def assert_audit_trail(db: Database, cfg: RunConfig) -> None:
-    """What every completed run must satisfy, read back from Postgres."""
-    versions = rows(db, "select version, trained_steps from policy_versions where run_id = :r order by version",
-                    r=cfg.name)
-    assert [v.version for v in versions] == list(range(cfg.steps + 1)), "versions contiguous from 0"
-    assert all(a.trained_steps < b.trained_steps for a, b in zip(versions, versions[1:])), "monotonic"
-    steps = rows(db, "select step, n_groups from train_steps where run_id = :r order by step", r=cfg.name)
-    assert [(s.step, s.n_groups) for s in steps] == [(i, cfg.rollout.groups_per_step) for i in range(1, cfg.steps + 1)]
-    lag = rows(db, "select max(staleness) as worst, count(*) as n, count(distinct trajectory_id) as distinct_n "
-                   "from v_version_lag where run_id = :r", r=cfg.name)[0]
-    assert lag.n == cfg.steps * cfg.rollout.groups_per_step * cfg.rollout.group_size
-    assert lag.n == lag.distinct_n, "a trajectory consumed twice"
-    assert lag.worst <= cfg.staleness
-    syncs = rows(db, "select version, status, probe_max_abs_diff, greedy_match from sync_events "
-                     "where run_id = :r order by version", r=cfg.name)
-    assert [s.version for s in syncs] == list(range(cfg.steps + 1))
-    for sync in syncs:  # after each sync the server held exactly the trainer's weights
-        assert sync.status == "ok" and sync.greedy_match is True
-        assert sync.probe_max_abs_diff <= cfg.sync.verify_tolerance
 
 
 async def test_async_run_completes_with_a_consistent_audit_trail(
@@ -83,7 +45,7 @@ async def test_async_run_completes_with_a_consistent_audit_trail(
 
 async def test_sync_mode_never_overlaps_training_and_rollouts(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
-    cfg = tiny_config(tiny_model, mode="sync", max_staleness=None)
+    cfg = tiny_config(tiny_model, mode="sync", max_staleness=0)
     await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
     assert_audit_trail(migrated_db, cfg)
     assert rows(migrated_db, "select max(staleness) as m from v_version_lag where run_id = :r", r=cfg.name)[0].m == 0

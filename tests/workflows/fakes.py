@@ -12,6 +12,8 @@ from temporalio import activity
 
 from schemas.config import RunConfig
 from schemas.payloads import (
+    EvalInput,
+    EvalSummary,
     FailureRecord,
     FinishGroupInput,
     GenerateInput,
@@ -37,6 +39,8 @@ from schemas.payloads import (
 @dataclass
 class FakeBooks:
     servers: list[str] = field(default_factory=lambda: ["0"])
+    tool_turns: int = 0
+    """Model turns that call a tool before the final one (multi-turn episodes)."""
     generate_delay_s: float = 0.01
     train_delay_s: float = 0.05
     version_steps: list[int] = field(default_factory=lambda: [0])
@@ -79,7 +83,8 @@ class FakeBooks:
         @activity.defn(name="generate")
         async def generate(inp: GenerateInput) -> GenerateResult:
             await asyncio.sleep(books.generate_delay_s)
-            return GenerateResult(n_tool_calls=0, done=True, n_tokens=3, version=0, finish_reason="stop")
+            calls = 1 if inp.turn_index < books.tool_turns else 0
+            return GenerateResult(n_tool_calls=calls, done=calls == 0, n_tokens=3, version=0, finish_reason="stop")
 
         @activity.defn(name="run_tool")
         async def run_tool(inp: ToolInput) -> ToolResult:
@@ -116,6 +121,11 @@ class FakeBooks:
             books.log("train_end", inp.step)
             return StepSummary(inp.step, 0.1, 0.5, worst, 10, fresh, stale, published, books.train_delay_s)
 
+        @activity.defn(name="evaluate")
+        async def evaluate(inp: EvalInput) -> EvalSummary:
+            books.log("eval", inp.version)
+            return EvalSummary(inp.version, 10, 0.5, 0.2, 0.8)
+
         @activity.defn(name="record_failure")
         async def record_failure(record: FailureRecord) -> None:
             books.failures.append(record)
@@ -125,4 +135,4 @@ class FakeBooks:
             books.statuses.append(update.status)
 
         return [register_run, init_policy, sync_weights, start_group, generate, run_tool, grade_group,
-                finish_group, train_step, record_failure, set_run_status]
+                finish_group, train_step, evaluate, record_failure, set_run_status]

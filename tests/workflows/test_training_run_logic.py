@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.worker import Worker
 
 from schemas.config import RunConfig, parse_run_config
@@ -20,6 +20,7 @@ from schemas.payloads import (
     TRAINER_QUEUE,
     WORKFLOW_QUEUE,
     PauseRequest,
+    RunResult,
     ScheduleUpdate,
     sync_queue,
 )
@@ -29,6 +30,7 @@ from workers.run_commands import start_run
 from workflows.rollout_group import RolloutGroupWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
+RESULT_TIMEOUT_S = 120
 pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("clean_workflows")]
 
 
@@ -53,6 +55,12 @@ def config(**overrides: object) -> RunConfig:
     return parse_run_config(base | overrides)
 
 
+async def finished(handle: WorkflowHandle) -> RunResult:
+    """The run's result; a run that stalls (e.g. an activity no fake serves) fails the test in
+    RESULT_TIMEOUT_S instead of hanging until the session's timeout."""
+    return await asyncio.wait_for(handle.result(), RESULT_TIMEOUT_S)
+
+
 def consumed_staleness(books: FakeBooks) -> dict[int, int]:
     """group -> staleness at the step that consumed it."""
     return {i: (g["claimed"] - 1) - books.version_steps[g["version"]]
@@ -63,18 +71,19 @@ async def test_async_run_trains_every_step_within_the_staleness_bound(temporal_c
     books = FakeBooks()
     cfg = config(max_staleness=1)
     async with fake_pipeline(temporal_client, books):
-        result = await (await start_run(temporal_client, cfg)).result()
+        result = await finished(await start_run(temporal_client, cfg))
     assert (result.steps, result.version) == (4, 4)
     claimed = [g["claimed"] for g in books.groups.values() if g["claimed"] is not None]
     assert sorted(claimed) == [1, 1, 2, 2, 3, 3, 4, 4]  # each step its batch, no group twice
     assert max(consumed_staleness(books).values()) <= 1
     assert books.statuses[-1] == "completed"
+    assert [i for _, kind, i in books.events if kind == "eval"] == [0, 4]  # the base and the final version
 
 
 async def test_sync_mode_never_overlaps_rollouts_and_training(temporal_client: Client) -> None:
     books = FakeBooks()
     async with fake_pipeline(temporal_client, books):
-        await (await start_run(temporal_client, config(mode="sync"))).result()
+        await finished(await start_run(temporal_client, config(mode="sync")))
     assert set(consumed_staleness(books).values()) == {0}
     busy = []  # (start, end) of each train step through the end of the sync it published
     starts = {i: t for t, kind, i in books.events if kind == "train_start"}
@@ -91,7 +100,7 @@ async def test_budget_admits_no_more_than_the_staleness_rule(temporal_client: Cl
     books = FakeBooks(train_delay_s=0.3)
     cfg = config(mode="async", max_staleness=0, steps=3)
     async with fake_pipeline(temporal_client, books):
-        await (await start_run(temporal_client, cfg)).result()
+        await finished(await start_run(temporal_client, cfg))
     assert set(consumed_staleness(books).values()) == {0}
     assert len(books.groups) == 6  # exactly the groups needed: none generated and thrown away
 
@@ -102,7 +111,7 @@ async def test_continue_as_new_carries_state_and_in_flight_groups(temporal_clien
     async with fake_pipeline(temporal_client, books):
         handle = await start_run(temporal_client, cfg)
         first_run = (await handle.describe()).run_id
-        result = await handle.result()
+        result = await finished(handle)
         last_run = (await temporal_client.get_workflow_handle(cfg.workflow_id).describe()).run_id
     assert result.steps == 5 and first_run != last_run
     assert sorted(g["claimed"] for g in books.groups.values() if g["claimed"]) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
@@ -125,7 +134,7 @@ async def test_pause_stops_new_groups_and_resume_finishes(temporal_client: Clien
         assert len(books.groups) == started, "groups started while paused"
         assert (await handle.query(TrainingRunWorkflow.status)).phase == "paused"
         await handle.execute_update(TrainingRunWorkflow.resume)
-        result = await handle.result()
+        result = await finished(handle)
     assert result.steps == 3 and "paused" in books.statuses
 
 
@@ -138,4 +147,4 @@ async def test_schedule_update_is_validated(temporal_client: Client) -> None:
             await handle.execute_update(TrainingRunWorkflow.set_schedule, ScheduleUpdate(sync_interval=5))
         status = await handle.execute_update(TrainingRunWorkflow.set_schedule, ScheduleUpdate(max_staleness=2))
         assert status.max_staleness == 2
-        await handle.result()
+        await finished(handle)

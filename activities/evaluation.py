@@ -1,0 +1,50 @@
+"""The evaluation activity (grader queue: it has the sandbox and HTTP clients graders need):
+greedy held-out accuracy of the version a server holds, recorded in `eval_results`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+
+from activities.common import heartbeating, instrumented
+from envs.base import Executor
+from evaluation.heldout import evaluate_served_version
+from graders.base import GraderDeps
+from graders.registry import build_rubric_graders
+from inference.client import InferenceClient
+from infra.inference import SERVED_MODEL_NAME
+from rollout.context import RunContexts
+from schemas.payloads import EvalInput, EvalSummary
+from storage.db import Database
+from storage.evals import record_eval
+
+
+class EvaluationActivities:
+    def __init__(self, db: Database, contexts: RunContexts, servers: dict[str, str], executor: Executor,
+                 deps: GraderDeps) -> None:
+        self.db = db
+        self.contexts = contexts
+        self.servers = servers
+        self.executor = executor
+        self.deps = deps
+
+    @activity.defn(name="evaluate")
+    @instrumented("grader", "eval")
+    async def evaluate(self, inp: EvalInput) -> EvalSummary:
+        ctx = self.contexts.get(inp.run_id)
+        rubric, graders = build_rubric_graders(ctx.env.rubric, ctx.config.grader, self.deps)
+        async with InferenceClient(self.servers[inp.server], SERVED_MODEL_NAME, route="generate") as client:
+            outcome = await heartbeating(evaluate_served_version(
+                client, ctx.env, ctx.tokenizer, self.executor, rubric, graders, inp.version, ctx.config.eval.prompts,
+                ctx.config.eval.max_tokens, ctx.config.model.max_model_len))
+        low, high = outcome.interval
+
+        def write() -> None:
+            with self.db.begin() as s:
+                record_eval(s, run_id=inp.run_id, version=inp.version, split="eval", n_prompts=outcome.n_prompts,
+                            n_correct=outcome.n_correct, mean_reward=outcome.mean_reward,
+                            details={"ci95": [low, high], "server": inp.server})
+
+        await asyncio.to_thread(write)
+        return EvalSummary(inp.version, outcome.n_prompts, outcome.accuracy, low, high)

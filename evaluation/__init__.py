@@ -1,0 +1,1 @@
+"""Held-out evaluation of published policy versions through an inference server."""

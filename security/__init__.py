@@ -1,0 +1,1 @@
+"""Payload protection: Temporal payloads encrypted with a key from the environment."""

@@ -1,0 +1,113 @@
+"""The grader box on the real stack: the Postgres grade cache, a failing grader retried and
+recorded without stopping the run, and a model-based grader (LLM judge) served by vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from envs.base import Rubric, Task
+from graders.base import GradeResult
+from graders.group import grade_group
+from graders.rules import AnswerMatchGrader
+from infra.inference import SERVED_MODEL_NAME
+from schemas.config import RunConfig
+from storage import buffer
+from storage.db import Database
+from storage.runs import register_run
+from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
+from workers.run_commands import run_status, start_run
+
+pytestmark = [pytest.mark.stack]
+
+
+class CountingAnswerMatch(AnswerMatchGrader):
+    """The real rule grader, counting how often it actually grades."""
+
+    calls = 0
+
+    async def score(self, task: Task, response_text: str) -> GradeResult:
+        CountingAnswerMatch.calls += 1
+        return await super().score(task, response_text)
+
+
+def one_turn_group(db: Database, run: str, group_index: int, text: str) -> list[int]:
+    with db.begin() as s:
+        ids = buffer.start_group(s, run_id=run, group_index=group_index, prompt_index=0, task_id="t", workflow_id="wf",
+                                 n_samples=1, prompt_ids=[1, 2])
+        buffer.save_turn(s, {"trajectory_id": ids[0], "turn_index": 0, "input_ids": [1, 2], "output_ids": [3],
+                             "output_logprobs": [-0.1], "output_text": text, "generate_latency_s": 0.0})
+    return ids
+
+
+async def test_identical_response_is_graded_once_then_served_from_the_cache(migrated_db: Database) -> None:
+    run = f"cache-{uuid.uuid4().hex[:8]}"
+    with migrated_db.begin() as s:
+        register_run(s, RunConfig(name=run))
+    task = Task(id=f"{run}:q", split="train", index=0, question=f"What is 2+2? ({run})", reference="4")
+    grader, rubric = CountingAnswerMatch(), Rubric({"answer_match": 1.0})
+    CountingAnswerMatch.calls = 0
+    first = await grade_group(migrated_db, task, one_turn_group(migrated_db, run, 0, "<answer>4</answer>"),
+                              rubric, {"answer_match": grader}, concurrency=2)
+    second = await grade_group(migrated_db, task, one_turn_group(migrated_db, run, 1, "<answer>4</answer>"),
+                               rubric, {"answer_match": grader}, concurrency=2)
+    assert (first.rewards, first.cache_hits) == ([1.0], 0)
+    assert (second.rewards, second.cache_hits) == ([1.0], 1)
+    assert CountingAnswerMatch.calls == 1
+    hits = rows(migrated_db, "select g.cache_hit from grades g join trajectories t on t.id = g.trajectory_id "
+                             "where t.run_id = :r order by t.id", r=run)
+    assert [h.cache_hit for h in hits] == [False, True]
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("clean_workflows")
+async def test_failing_grader_is_retried_recorded_and_the_run_goes_on(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+    with socket.socket() as sock:  # a port with nobody listening: every judge call is refused
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": {"base_url": dead, "model": "m"}},
+                      rollout={"grade_attempts": 2})
+    await start_run(temporal_client, cfg)
+    deadline = asyncio.get_running_loop().time() + RUN_TIMEOUT_S
+    while (await run_status(temporal_client, cfg.name)).groups_failed < 2:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.5)
+    status = await run_status(temporal_client, cfg.name)
+    assert status.phase == "running" and status.step == 0  # still waiting for gradable groups, not crashed
+    grading = rows(migrated_db, "select workflow_id, activity_id, attempt, error_type from failures where "
+                                "run_id = :r and kind = 'grade' order by workflow_id, activity_id, attempt",
+                   r=cfg.name)
+    per_activity: dict[tuple[str, str], list[int]] = {}  # activity ids are per (group) workflow
+    for failure in grading:
+        per_activity.setdefault((failure.workflow_id, failure.activity_id), []).append(failure.attempt)
+    assert per_activity and all(attempts == [1, 2] for attempts in per_activity.values())  # retried, each recorded
+    assert {f.error_type for f in grading} == {"ConnectError"}
+    failed = rows(migrated_db, "select status_reason from rollout_groups where run_id = :r and status = 'failed'",
+                  r=cfg.name)
+    assert failed and all("grading failed" in g.status_reason for g in failed)
+    await temporal_client.get_workflow_handle(cfg.workflow_id).cancel()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("clean_workflows")
+async def test_model_grader_judges_through_the_inference_server(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
+        inference_servers: list[str]) -> None:
+    # the tiny model only knows arithmetic, so the "judge" prompt is an arithmetic question whose
+    # answer digit becomes the score (greedy, it answers "-1" to this one without the env's system
+    # prompt): the real chat API, parsing and validation, end to end
+    judge = {"base_url": inference_servers[0], "model": SERVED_MODEL_NAME, "max_tokens": 12,
+             "prompt_template": "What is 2 + 2?{response:.0}", "score_pattern": r"(\d)", "max_score": 10}
+    cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": judge})
+    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    assert_audit_trail(migrated_db, cfg)
+    grades = rows(migrated_db, "select g.grader, g.score, g.latency_s, g.details from grades g join trajectories t "
+                               "on t.id = g.trajectory_id where t.run_id = :r", r=cfg.name)
+    assert grades and {g.grader for g in grades} == {"judge"}
+    assert all(0.0 <= g.score <= 1.0 and g.latency_s > 0 for g in grades)

@@ -1,0 +1,513 @@
+"""Weight sync through the library (weights.sidecar + the inference client) on a real vLLM server
+with the tiny model, Postgres and S3: pause modes, verification, rollback, refusal, restore.
+
+Versions are published the way the trainer publishes them: checkpoint files uploaded to S3 and
+a `policy_versions` row with the sha256 of the weights and the probe computed by transformers
+on those weights (trainer/probe.py). One server for the module (~35 s to start); each test makes
+its own run, so the server's label history is the only state tests share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference.admin import PauseMode
+from inference.client import Completion, InferenceClient, WeightSpan
+from infra.inference import SERVED_MODEL_NAME, InferenceService
+from infra.process import free_port
+from infra.settings import LOOPBACK, StackSettings
+from infra.stack import Stack
+from policy.chat import chat_prompt_ids, load_tokenizer
+from policy.checkpoint import WEIGHTS_FILE, load_state_dict, save_checkpoint
+from schemas.config import RunConfig
+from schemas.tables import PolicyVersion
+from storage.db import Database
+from storage.object_store import ObjectStore
+from storage.runs import register_run
+from trainer.probe import make_probe, probe_ids
+from weights.checkpoints import Manifest, download_checkpoint, local_version_dir, manifest_key, upload_checkpoint
+from weights.labels import (
+    UnverifiedWeights,
+    parse_verifying,
+    settle_completion,
+    verdicts,
+    verifying_label,
+)
+from weights.sidecar import Sidecar
+from weights.sync import probe_logprob_diff
+
+TOLERANCE = 1e-4  # tiny model in fp32: a faithful load differs by < 4e-6 (docs/vllm-cpu-notes.md)
+LONG = 400  # tokens per in-flight request (the server's context is 512)
+IN_FLIGHT = 48
+"""Requests in flight when a sync starts: one tiny-model request finishes 400 tokens in ~0.5 s,
+faster than a sync reaches its pause; 48 at once share the server's steps and take ~3 s."""
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A stack inference service of its own (own state directory and port), stopped at the end."""
+    settings = StackSettings(home=tmp_path_factory.mktemp("sync-server"), inference_servers=1,
+                             inference_base_port=free_port(LOOPBACK), inference_model=tiny_model)
+    stack, service = Stack(settings), InferenceService(settings, 0)
+    stack.start(service, progress=lambda msg: None)
+    try:
+        yield service.address()
+    finally:
+        stack.stop_service(service, progress=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The base weights and two different perturbations of them (5% of each matrix's spread)."""
+    out = {"base": tiny_model}
+    base = load_state_dict(tiny_model)
+    for seed, name in enumerate(("a", "b"), start=1):
+        generator = torch.Generator().manual_seed(seed)
+        state = {k: t + 0.05 * t.std() * torch.randn(t.shape, generator=generator) if t.ndim == 2 else t
+                 for k, t in base.items()}
+        out[name] = save_checkpoint(state, tmp_path_factory.mktemp(f"ckpt-{name}"), base_dir=tiny_model).path
+    return out
+
+
+@pytest.fixture(scope="module")
+def probes(checkpoints: dict[str, Path], tiny_model: Path) -> dict[str, dict]:
+    """What the trainer records for each set of weights when it publishes them."""
+    ids = probe_ids(load_tokenizer(tiny_model))
+    return {name: make_probe(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), *ids)
+            for name, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model: Path) -> list[int]:
+    return chat_prompt_ids(load_tokenizer(tiny_model), [{"role": "user", "content": "What is 3 + 4?"}])
+
+
+@dataclass
+class Run:
+    """A registered run whose versions a test publishes one by one."""
+
+    name: str
+    db: Database
+    store: ObjectStore
+    probes: dict[str, dict]
+    checkpoints: dict[str, Path]
+
+    def publish(self, weights: str, probe_of: str | None = None, directory: Path | None = None) -> int:
+        """Publish the next version with the checkpoint `weights` (or the files in `directory`)
+        and the probe of `probe_of` (default: the same weights). Returns the version."""
+        with self.db.begin() as s:
+            version = s.scalar(sa.select(sa.func.count()).where(PolicyVersion.run_id == self.name))
+        manifest = upload_checkpoint(self.store, self.name, version, version, directory or self.checkpoints[weights])
+        with self.db.begin() as s:
+            s.add(PolicyVersion(run_id=self.name, version=version, trained_steps=version,
+                                checkpoint_key=manifest_key(self.name, version), sha256=manifest.weights.sha256,
+                                size_bytes=manifest.total_bytes, probe=self.probes[probe_of or weights]))
+        return version
+
+    def manifest(self, version: int) -> Manifest:
+        return Manifest.from_json(self.store.get_bytes(manifest_key(self.name, version)))
+
+    def events(self) -> list[sa.Row]:
+        return rows(self.db, "select * from sync_events where run_id = :r order by started_at", r=self.name)
+
+    def failures(self) -> list[sa.Row]:
+        return rows(self.db, "select * from failures where run_id = :r and kind = 'sync' order by id", r=self.name)
+
+
+@pytest.fixture
+def make_run(migrated_db: Database, object_store: ObjectStore, probes: dict[str, dict],
+             checkpoints: dict[str, Path], tiny_model: Path):  # type: ignore[no-untyped-def]
+    def make(mode: PauseMode = "wait") -> Run:
+        config = RunConfig.model_validate({
+            "name": f"ws-{uuid.uuid4().hex[:10]}", "model": {"path": str(tiny_model)},
+            "sync": {"pause_mode": mode, "verify_tolerance": TOLERANCE}})
+        with migrated_db.begin() as s:
+            register_run(s, config)
+        return Run(config.name, migrated_db, object_store, probes, checkpoints)
+
+    return make
+
+
+@pytest.fixture
+async def sidecar(migrated_db: Database, object_store: ObjectStore, server_url: str,
+                  tmp_path: Path) -> AsyncIterator[Sidecar]:
+    sidecar = Sidecar(migrated_db, object_store, f"test-{uuid.uuid4().hex[:6]}", server_url, tmp_path / "sidecar",
+                      model_name=SERVED_MODEL_NAME)
+    yield sidecar
+    await sidecar.aclose()
+
+
+@pytest.fixture
+async def client(server_url: str) -> AsyncIterator[InferenceClient]:
+    async with InferenceClient(server_url, SERVED_MODEL_NAME, route="generate") as c:
+        yield c
+
+
+def rows(db: Database, sql: str, **params: object) -> list[sa.Row]:
+    with db.begin() as s:
+        return list(s.execute(sa.text(sql), params))
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+async def assert_serves(client: InferenceClient, probe: dict, label: str) -> None:
+    """The server holds the weights `probe` describes, labelled `label`."""
+    assert await client.weight_version() == label
+    assert await probe_logprob_diff(client, probe) <= TOLERANCE
+    greedy = await client.complete(probe["prompt_ids"], max_tokens=len(probe["greedy_ids"]), temperature=0.0,
+                                   ignore_eos=True)
+    assert greedy.token_ids == probe["greedy_ids"]
+
+
+def prefetched(run: Run, sidecar: Sidecar, version: int) -> int:
+    """Put the version's files where the sidecar keeps them, so that its sync pauses the server at
+    once (its download would otherwise outlast the requests the test wants in flight)."""
+    download_checkpoint(run.store, run.manifest(version), local_version_dir(sidecar.work_dir, run.name, version))
+    return version
+
+
+def start_long_requests(client: InferenceClient, prompt: list[int], count: int) -> list[asyncio.Task[Completion]]:
+    return [asyncio.create_task(client.complete(prompt, max_tokens=LONG, seed=i, ignore_eos=True))
+            for i in range(count)]
+
+
+async def until_generating(server_url: str, count: int, timeout_s: float = 120.0) -> None:
+    """Return once the server runs `count` requests (so a sync now lands mid-generation)."""
+    pattern = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=server_url) as http:
+        while time.monotonic() < deadline:
+            running = pattern.search((await http.get("/metrics")).text)
+            if running is not None and float(running.group(1)) >= count:
+                return
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"the server never ran {count} requests at once within {timeout_s:.0f}s")
+
+
+def assert_verified(event: sa.Row, version: int) -> None:
+    assert (event.version, event.status, event.greedy_match) == (version, "ok", True)
+    assert event.probe_max_abs_diff <= TOLERANCE
+    assert event.error is None
+
+
+# -- verified syncs ---------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_every_sync_matches_the_trainers_probe_and_versions_only_move_forward(
+        make_run, sidecar: Sidecar, client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
+    run = make_run()
+    for weights in ("base", "a", "b"):
+        version = run.publish(weights)
+        outcome = await sidecar.sync(run.name, version)
+        assert outcome.status == "ok", outcome.error
+        await assert_serves(client, run.probes[weights], str(version))
+    events = run.events()
+    for version, event in enumerate(events):
+        assert_verified(event, version)
+        assert event.bytes > 0 and event.attempts == 1
+        for phase in ("download_s", "pause_s", "reload_s", "verify_s", "total_s"):
+            assert getattr(event, phase) > 0, phase
+        assert event.reload_s <= event.pause_s <= event.total_s
+    # a retried sync, or one of an older version, changes nothing: versions only move forward
+    for version in (2, 1):
+        outcome = await sidecar.sync(run.name, version)
+        assert outcome.status == "ok" and outcome.error.startswith("skipped")
+    assert [(e.version, e.attempts) for e in run.events()] == [(0, 1), (1, 1), (2, 1)]
+    await assert_serves(client, run.probes["b"], "2")
+
+
+# -- pause modes ------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_abort_mode_ends_in_flight_requests_and_a_retry_runs_on_the_new_version(
+        make_run, sidecar: Sidecar, client: InferenceClient,
+        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    run = make_run("abort")
+    await sidecar.sync(run.name, run.publish("base"))
+    new_version = prefetched(run, sidecar, run.publish("a"))
+    in_flight = start_long_requests(client, prompt, IN_FLIGHT)
+    await until_generating(server_url, IN_FLIGHT)
+    assert (await sidecar.sync(run.name, new_version)).status == "ok"
+    for completion in await asyncio.gather(*in_flight):
+        assert completion.finish_reason == "abort"  # the generate activity raises on it and retries
+        assert len(completion.token_ids) < LONG
+        assert [s.version for s in completion.weight_spans or ()] == ["0"]
+    retried = await client.complete(prompt, max_tokens=16, seed=0)
+    assert [s.version for s in retried.weight_spans or ()] == ["1"]
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_wait_mode_finishes_in_flight_requests_on_the_old_version(
+        make_run, sidecar: Sidecar, client: InferenceClient,
+        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    run = make_run("wait")
+    await sidecar.sync(run.name, run.publish("base"))
+    new_version = prefetched(run, sidecar, run.publish("a"))
+    in_flight = start_long_requests(client, prompt, IN_FLIGHT)
+    await until_generating(server_url, IN_FLIGHT)
+    outcome = await sidecar.sync(run.name, new_version)
+    assert outcome.status == "ok"
+    assert outcome.timings["pause_s"] > outcome.timings["reload_s"]  # the pause waited for them
+    for completion in await asyncio.gather(*in_flight):
+        assert completion.finish_reason == "length" and len(completion.token_ids) == LONG
+        assert [s.version for s in completion.weight_spans or ()] == ["0"]
+    await assert_serves(client, run.probes["a"], "1")
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_keep_mode_request_spanning_a_sync_records_two_version_spans(
+        make_run, sidecar: Sidecar, client: InferenceClient,
+        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    run = make_run("keep")
+    await sidecar.sync(run.name, run.publish("base"))
+    new_version = prefetched(run, sidecar, run.publish("a"))
+    in_flight = start_long_requests(client, prompt, IN_FLIGHT)
+    await until_generating(server_url, IN_FLIGHT)
+    assert (await sidecar.sync(run.name, new_version)).status == "ok"
+    verdict = verdicts(run.db, run.name, sidecar.server)
+    for raw in await asyncio.gather(*in_flight):
+        assert raw.finish_reason == "length" and len(raw.token_ids) == LONG
+        labels = [span.version for span in raw.weight_spans or ()]
+        assert labels[0] == "0"
+        # tokens sampled while the probe was checked carry the attempt's verifying label
+        assert all(label in ("0", "1") or (parse_verifying(label) or (None,))[0] == 1 for label in labels)
+        settled = await settle_completion(raw, verdict)
+        old, new = settled.weight_spans  # type: ignore[misc]
+        assert (old.version, old.start, new.version, new.end) == ("0", 0, "1", LONG)
+        assert old.end == new.start
+        assert (settled.weight_version, settled.last_weight_version) == ("0", "1")
+
+
+# -- verification failures --------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_checkpoint_with_flipped_bytes_is_refused_before_any_pause(
+        make_run, sidecar: Sidecar, client: InferenceClient,
+        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    run = make_run("abort")  # a pause would abort the request in flight
+    await sidecar.sync(run.name, run.publish("base"))
+    version = run.publish("a")
+    weights = run.manifest(version).weights
+    data = bytearray(run.store.get_bytes(weights.key))
+    data[len(data) // 2] ^= 0xFF  # after its sha256 was recorded
+    run.store.client.put_object(Bucket=run.store.bucket, Key=weights.key, Body=bytes(data))
+    in_flight = start_long_requests(client, prompt, IN_FLIGHT)
+    await until_generating(server_url, IN_FLIGHT)
+    outcome = await sidecar.sync(run.name, version)
+    assert outcome.status == "refused" and "sha256" in (outcome.error or "")
+    assert not all(task.done() for task in in_flight), "the requests should have outlived the refused sync"
+    for completion in await asyncio.gather(*in_flight):  # never paused: an abort-mode pause would end them
+        assert completion.finish_reason == "length" and len(completion.token_ids) == LONG
+    await assert_serves(client, run.probes["base"], "0")
+    refused = run.events()[-1]
+    assert (refused.version, refused.status, refused.pause_s, refused.reload_s) == (version, "refused", None, None)
+    [failure] = run.failures()
+    assert failure.error_type == "CheckpointRefused" and "sha256" in failure.message
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_right_hash_wrong_tensors_is_rolled_back_and_the_run_stays_healthy(
+        make_run, sidecar: Sidecar, client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
+    run = make_run()
+    await sidecar.sync(run.name, run.publish("base"))
+    bad = run.publish("a", probe_of="b")  # the checkpoint hashes right; the trainer's probe describes b
+    outcome = await sidecar.sync(run.name, bad)
+    assert outcome.status == "rolled_back"
+    assert outcome.probe_max_abs_diff is not None and outcome.probe_max_abs_diff > 100 * TOLERANCE
+    await assert_serves(client, run.probes["base"], "0")  # what rollouts record meanwhile
+    event = run.events()[-1]
+    assert (event.version, event.status) == (bad, "rolled_back") and event.greedy_match is not None
+    assert event.probe_max_abs_diff == pytest.approx(outcome.probe_max_abs_diff)
+    [failure] = run.failures()
+    assert failure.error_type == "ProbeMismatch" and "rolled back to 0" in failure.message
+    assert failure.details["probe_max_abs_diff"] == pytest.approx(outcome.probe_max_abs_diff)
+    # healthy: the next good version loads and verifies
+    good = run.publish("b")
+    assert (await sidecar.sync(run.name, good)).status == "ok"
+    await assert_serves(client, run.probes["b"], str(good))
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_reload_that_fails_is_never_resumed_and_the_previous_version_is_back(
+        make_run, sidecar: Sidecar, client: InferenceClient, checkpoints: dict[str, Path], tmp_path: Path,
+        prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    run = make_run("keep")
+    await sidecar.sync(run.name, run.publish("base"))
+    truncated = tmp_path / "truncated"  # published as is: the hash is right, the file is broken
+    truncated.mkdir()
+    (truncated / WEIGHTS_FILE).write_bytes((checkpoints["a"] / WEIGHTS_FILE).read_bytes()[:100_000])
+    (truncated / "config.json").write_bytes((checkpoints["a"] / "config.json").read_bytes())
+    broken = run.publish("a", directory=truncated)
+    outcome = await sidecar.sync(run.name, broken)
+    assert outcome.status == "failed" and "back on 0" in (outcome.error or "")
+    await assert_serves(client, run.probes["base"], "0")  # the engine survived: nothing ran on the broken model
+    assert (await client.complete(prompt, max_tokens=8, seed=1)).finish_reason in ("length", "stop")
+    assert run.events()[-1].status == "failed"
+    assert run.failures()[-1].error_type == "ReloadFailed"
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_check_that_cannot_tell_the_versions_apart_is_flagged_inconclusive(
+        make_run, sidecar: Sidecar) -> None:  # type: ignore[no-untyped-def]
+    run = make_run()
+    await sidecar.sync(run.name, run.publish("a"))
+    outcome = await sidecar.sync(run.name, run.publish("a"))  # a step that moved nothing
+    assert outcome.status == "ok"
+    assert (outcome.error or "").startswith("inconclusive")
+    assert run.events()[-1].error.startswith("inconclusive")
+
+
+# -- transfer path ----------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_shared_filesystem_skips_the_download_unless_its_copy_is_altered(
+        make_run, migrated_db: Database, object_store: ObjectStore, server_url: str, tmp_path: Path,
+        checkpoints: dict[str, Path], client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
+    run = make_run()
+    trainer_dir = tmp_path / "trainer"
+    sidecar = Sidecar(migrated_db, object_store, f"shared-{uuid.uuid4().hex[:6]}", server_url, tmp_path / "sidecar",
+                      model_name=SERVED_MODEL_NAME, shared_dir=trainer_dir)
+    try:
+        for weights in ("base", "a"):
+            version = run.publish(weights)
+            published = local_version_dir(trainer_dir, run.name, version)
+            published.mkdir(parents=True)
+            (published / WEIGHTS_FILE).write_bytes((checkpoints[weights] / WEIGHTS_FILE).read_bytes())
+        (published / WEIGHTS_FILE).write_bytes(b"not the weights")  # version 1's shared copy is damaged
+        assert (await sidecar.sync(run.name, 0)).bytes == 0  # read in place
+        fell_back = await sidecar.sync(run.name, 1)
+        assert fell_back.status == "ok" and fell_back.bytes > 0  # downloaded from S3 instead
+        await assert_serves(client, run.probes["a"], "1")
+    finally:
+        await sidecar.aclose()
+
+
+# -- restore ----------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
+        make_run, migrated_db: Database, object_store: ObjectStore, server_url: str, tmp_path: Path,
+        tiny_model: Path, client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
+    run = make_run()
+    told: list[tuple[str, int | None]] = []
+
+    async def listen(run_id: str, version: int | None) -> None:
+        told.append((run_id, version))
+
+    sidecar = Sidecar(migrated_db, object_store, f"restore-{uuid.uuid4().hex[:6]}", server_url, tmp_path / "sidecar",
+                      model_name=SERVED_MODEL_NAME, on_state=listen)
+    try:
+        await sidecar.sync(run.name, run.publish("base"))
+        await sidecar.sync(run.name, run.publish("a"))
+        assert await sidecar.check() is None  # holds what it verified: nothing to do
+        latest = run.publish("b")  # published, not yet synced, when the server restarts
+        await sidecar.admin.pause("abort")  # what a restart leaves: start-up weights, label "default"
+        await sidecar.admin.reload_weights(tiny_model)
+        await sidecar.admin.update_weight_version("default")
+        await sidecar.admin.resume()
+        restored = await sidecar.check()
+        assert restored is not None and restored.status == "ok"
+        await assert_serves(client, run.probes["b"], str(latest))
+        assert told == [(run.name, None), (run.name, latest)]
+        assert [e.version for e in run.events()] == [0, 1, latest]
+    finally:
+        await sidecar.aclose()
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_restarted_sidecar_adopts_the_version_its_server_verifiably_holds(
+        make_run, migrated_db: Database, object_store: ObjectStore, server_url: str, tmp_path: Path,
+        sidecar: Sidecar) -> None:  # type: ignore[no-untyped-def]
+    run = make_run()
+    await sidecar.sync(run.name, run.publish("base"))
+    bad = run.publish("a", probe_of="b")
+    again = Sidecar(migrated_db, object_store, sidecar.server, server_url, tmp_path / "fresh",
+                    model_name=SERVED_MODEL_NAME)
+    try:
+        assert await again.check() is None  # label "0" is what sync_events says it verified
+        # the rollback target is fetched again (this machine lost it) and used
+        assert (await again.sync(run.name, bad)).status == "rolled_back"
+        assert await again.admin.weight_version() == "0"
+    finally:
+        await again.aclose()
+
+
+# -- settling verifying spans (no server) -----------------------------------------------------------
+def _completion(*spans: tuple[str, int, int]) -> Completion:
+    n = spans[-1][2]
+    return Completion(list(range(n)), [0.0] * n, "length", "", spans[0][0], spans[-1][0],
+                      tuple(WeightSpan(*s) for s in spans))
+
+
+async def test_settling_renames_verified_spans_and_rejects_the_others() -> None:
+    at = datetime(2026, 12, 2, 12, 0, 0, 123456, tzinfo=UTC)
+    label = verifying_label(3, at)
+    assert parse_verifying(label) == (3, at)
+    answers = {"ok": ["pending", "ok"], "rejected": ["rejected"]}
+
+    def lookup(verdict: str):  # type: ignore[no-untyped-def]
+        queue = list(answers[verdict])
+
+        async def answer(version: int, started_at: datetime) -> str:
+            assert (version, started_at) == (3, at)
+            return queue.pop(0) if len(queue) > 1 else queue[0]
+
+        return answer
+
+    raw = _completion(("2", 0, 5), (label, 5, 7), ("3", 7, 10))
+    settled = await settle_completion(raw, lookup("ok"), poll_s=0.01)
+    assert settled.weight_spans == (WeightSpan("2", 0, 5), WeightSpan("3", 5, 10))
+    with pytest.raises(UnverifiedWeights, match="rejected"):
+        await settle_completion(raw, lookup("rejected"))
+    plain = _completion(("2", 0, 4))
+    assert await settle_completion(plain, lookup("rejected")) is plain
+    with pytest.raises(UnverifiedWeights, match="no verdict"):
+        await settle_completion(raw, lambda v, t: _pending(), timeout_s=0.05, poll_s=0.01)
+
+
+async def _pending() -> str:
+    return "pending"
+
+
+@pytest.mark.stack
+def test_attempt_verdicts_name_exactly_one_attempt(make_run) -> None:  # type: ignore[no-untyped-def]
+    from storage.syncs import SyncRecord, attempt_verdict, record_sync
+
+    run = make_run()
+    first = datetime.now(UTC)
+    second = first + timedelta(seconds=1)
+
+    def write(status: str, started_at: datetime) -> None:
+        with run.db.begin() as s:
+            record_sync(s, SyncRecord(run.name, 0, "v", status, 0, {}, None, None, None, started_at, started_at))
+
+    def verdict(started_at: datetime) -> str:
+        with run.db.begin() as s:
+            return attempt_verdict(s, run.name, 0, "v", started_at)
+
+    assert verdict(first) == "pending"
+    write("rolled_back", first)
+    assert verdict(first) == "rejected"
+    assert verdict(second) == "pending"  # the retry has not decided yet
+    write("ok", second)
+    assert (verdict(first), verdict(second)) == ("rejected", "ok")
+    assert rows(run.db, "select attempts from sync_events where run_id = :r", r=run.name)[0].attempts == 2
