@@ -28,7 +28,9 @@ class TrainingActivities:
     async def train_step(self, inp: TrainStepInput) -> StepSummary:
         summary = await heartbeating(asyncio.to_thread(self.trainer.train_step, inp))
         METRICS.observe_train_step(inp.run_id, summary.step, summary.duration_s, summary.n_tokens,
-                                   reward_mean=summary.reward_mean)
+                                   staleness=summary.staleness, reward_mean=summary.reward_mean,
+                                   entropy=summary.entropy, kl_sampler=summary.kl_sampler,
+                                   response_length=summary.response_length)
         if summary.published is not None:
             METRICS.observe_publish(inp.run_id, summary.published.version)
         return summary

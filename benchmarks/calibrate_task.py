@@ -9,7 +9,8 @@ served as `policy`, route `generate`) answers every request, exactly as rollouts
 - a tool call is run with the environment's own `run_tool` and its observation appended as
   ids (`rollout.tokens.observation_ids`), up to `env.max_turns` model turns (as
   rollout/generation.py does);
-- the last model message, decoded without special tokens, is graded by `AnswerMatchGrader`.
+- the last model message, decoded without special tokens, is graded by the environment's rubric
+  (answer tags for 'arithmetic'/'calculator', the last integer for 'arithmetic_plain').
 
 Measured per candidate:
 
@@ -54,13 +55,15 @@ if str(REPO) not in sys.path:  # runnable as a plain script from anywhere
 from envs.base import Environment, Task  # noqa: E402
 from envs.registry import build_environment  # noqa: E402
 from envs.toolcalls import ToolCalls  # noqa: E402
-from graders.rules import AnswerMatchGrader  # noqa: E402
+from graders.base import Grader, GraderDeps  # noqa: E402
+from graders.registry import build_rubric_graders  # noqa: E402
+
 from inference.client import InferenceClient  # noqa: E402
 from infra.process import free_port  # noqa: E402
 from infra.vllm import vllm_command, wait_healthy  # noqa: E402
 from policy.chat import chat_prompt_ids, load_tokenizer  # noqa: E402
 from rollout.tokens import observation_ids, request_seed  # noqa: E402
-from schemas.task import ArithmeticDifficulty, EnvConfig  # noqa: E402
+from schemas.task import ArithmeticDifficulty, EnvConfig, GraderConfig  # noqa: E402
 
 SERVED_MODEL_NAME = "policy"
 DEFAULT_MODEL_DIR = REPO / ".rlpipe" / "models" / "smollm2"
@@ -104,6 +107,9 @@ def candidates(eval_size: int, seed: int) -> dict[str, Candidate]:
         Candidate("arith-1d-pm", env("arithmetic", one_digit_pm, eval_size=small),
                   note="2 operands, 1 digit, + - (200 questions in all: eval capped at 100)"),
         Candidate("arith-default", env("arithmetic", None), note="2 operands, 1-2 digits, + - (env default)"),
+        Candidate("plain-1d-pm", env("arithmetic_plain", one_digit_pm, eval_size=small),
+                  note="arith-1d-pm answered in plain words: the last integer counts (the demo's task)"),
+        Candidate("plain-default", env("arithmetic_plain", None), note="arith-default answered in plain words"),
         Candidate("arith-2d-plus", env("arithmetic", _arith(2, 2, 2, ("+",))), note="2 operands, 2 digits, +"),
         Candidate("arith-2d-pm", env("arithmetic", _arith(2, 2, 2, ("+", "-"))), note="2 operands, 2 digits, + -"),
         Candidate("arith-1d-pm-3", env("arithmetic", _arith(3, 1, 1, ("+", "-"))), note="3 operands, 1 digit, + -"),
@@ -188,7 +194,7 @@ class Episode:
     logprobs: list[float] = field(repr=False)
 
 
-async def run_episode(client: InferenceClient, env: Environment, task: Task, tokenizer: Any, grader: AnswerMatchGrader,
+async def run_episode(client: InferenceClient, env: Environment, task: Task, tokenizer: Any, grader: Grader,
                       *, temperature: float, max_tokens: int, max_model_len: int, seed: int | None) -> Episode:
     """One episode as a rollout runs it: turns until an answer, no tool call, or max_turns."""
     prompt = chat_prompt_ids(tokenizer, env.initial_messages(task))
@@ -283,7 +289,8 @@ def summarise(mode: str, episodes: list[Episode], wall_s: float, concurrency: in
 
 async def run_phase(client: InferenceClient, env: Environment, tokenizer: Any, args: argparse.Namespace, *,
                     split: str, count: int, group_size: int, temperature: float) -> tuple[list[Episode], float]:
-    grader = AnswerMatchGrader()
+    _, graders = build_rubric_graders(env.rubric, GraderConfig(), GraderDeps())
+    (grader,) = graders.values()  # the candidates' environments grade with one rule-based grader
     slots = asyncio.Semaphore(args.concurrency)
 
     async def one(index: int, sample: int) -> Episode:

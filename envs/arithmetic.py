@@ -62,3 +62,14 @@ class ArithmeticEnv(Environment):
             reference=str(evaluate_chain(operands, operators)),
             metadata={"expression": expression},
         )
+
+
+class PlainArithmeticEnv(ArithmeticEnv):
+    """The same questions, answered in plain words: the last integer of the reply counts
+    (graders/rules.py FinalNumberGrader). The task of the demo: SmolLM2-135M-Instruct never
+    writes answer tags but does answer with numbers, correctly ~12 % of the time at T=1
+    (docs/task-calibration.md), so GRPO has groups to learn from."""
+
+    name = "arithmetic_plain"
+    system_prompt = "Answer with just the number."
+    rubric = Rubric({"final_number": 1.0})

@@ -1,12 +1,12 @@
 """Environment names -> classes. Add your own with `register_environment` before configs are validated."""
 
-from envs.arithmetic import ArithmeticEnv
+from envs.arithmetic import ArithmeticEnv, PlainArithmeticEnv
 from envs.base import Environment
 from envs.calculator import CalculatorEnv
 from envs.code import CodeEnv
 from schemas.task import EnvConfig
 
-_ENVIRONMENTS: dict[str, type[Environment]] = {env.name: env for env in (ArithmeticEnv, CalculatorEnv, CodeEnv)}
+_ENVIRONMENTS: dict[str, type[Environment]] = {env.name: env for env in (ArithmeticEnv, PlainArithmeticEnv, CalculatorEnv, CodeEnv)}
 
 
 class UnknownEnvironment(ValueError):

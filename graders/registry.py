@@ -3,10 +3,10 @@
 from envs.base import Rubric
 from graders.base import Grader, GraderDeps
 from graders.judge import JudgeGrader
-from graders.rules import AnswerMatchGrader, CodeTestsGrader
+from graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
 from schemas.task import GraderConfig
 
-_GRADERS: dict[str, type[Grader]] = {g.name: g for g in (AnswerMatchGrader, CodeTestsGrader, JudgeGrader)}
+_GRADERS: dict[str, type[Grader]] = {g.name: g for g in (AnswerMatchGrader, FinalNumberGrader, CodeTestsGrader, JudgeGrader)}
 
 
 class UnknownGrader(ValueError):

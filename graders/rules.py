@@ -46,6 +46,25 @@ class AnswerMatchGrader(Grader):
         return GradeResult(float(correct), {"format_ok": True, "answer": final.answer, "correct": correct})
 
 
+class FinalNumberGrader(Grader):
+    """1.0 if the last integer in the response is the reference, else 0.0: no answer format to
+    learn, for models too small to follow one (SmolLM2-135M never writes answer tags, see
+    docs/task-calibration.md). Rambling is not rewarded by itself: a trailing restatement of the
+    question ("... so 3 + 4") ends on the wrong number."""
+
+    name = "final_number"
+    version = "1"
+
+    async def score(self, task: Task, response_text: str) -> GradeResult:
+        if not INTEGER_ANSWER.fullmatch(task.reference.strip()):
+            raise ValueError(f"final_number needs an integer reference, task {task.id} has {task.reference[:50]!r}")
+        numbers = INTEGER_ANSWER.findall(response_text)
+        if not numbers:
+            return GradeResult(0.0, {"format_ok": False, "format_error": "the response contains no integer"})
+        correct = int(numbers[-1]) == int(task.reference)
+        return GradeResult(float(correct), {"format_ok": True, "answer": numbers[-1], "correct": correct})
+
+
 class CodeTestsGrader(Grader):
     """Fraction of the task's hidden tests that the answered function passes, run in the sandbox.
 

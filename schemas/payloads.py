@@ -255,6 +255,11 @@ class StepSummary:
     dropped_groups: list[int]
     published: PublishedVersion | None
     duration_s: float
+    staleness: list[int] = field(default_factory=list)
+    """Per consumed trajectory: optimiser steps its weights lagged the step (for the metrics)."""
+    entropy: float | None = None
+    kl_sampler: float | None = None
+    response_length: float | None = None
 
 
 # -- weights ----------------------------------------------------------------------------------------

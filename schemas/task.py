@@ -46,7 +46,8 @@ class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str = "arithmetic"
-    """Registered environment: 'arithmetic', 'calculator', 'code', or one added with
+    """Registered environment: 'arithmetic', 'arithmetic_plain' (same questions, plain-number
+    answers), 'calculator', 'code', or one added with
     `envs.registry.register_environment`."""
     seed: int = 0
     """Seed of the prompt sets; the same seed gives the same train and eval questions in every process."""
@@ -55,7 +56,7 @@ class EnvConfig(BaseModel):
     eval_size: int = Field(200, ge=0)
     """Number of eval prompts; no eval question ever appears in the train set."""
     difficulty: ArithmeticDifficulty | None = None
-    """Question knobs for 'arithmetic' and 'calculator', replacing the environment's default as a whole;
+    """Question knobs for 'arithmetic', 'arithmetic_plain' and 'calculator', replacing the environment's default as a whole;
     None keeps the default (arithmetic: 2 operands of 1-2 digits with + and -; calculator: 3 operands
     of 2-3 digits with +, - and *)."""
     max_turns: int | None = Field(None, ge=1, le=64)
@@ -162,7 +163,7 @@ class GraderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str | None = None
-    """A registered grader ('answer_match', 'code_tests', 'judge'); None uses the environment's rubric."""
+    """A registered grader ('answer_match', 'final_number', 'code_tests', 'judge'); None uses the environment's rubric."""
     judge: JudgeConfig | None = None
     """Judge endpoint and parsing; required when the judge grades (name 'judge')."""
     concurrency: int = Field(8, ge=1)

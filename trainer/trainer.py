@@ -147,7 +147,7 @@ class Trainer:
                                              world_size=cfg.batch.world_size))
         self.run_id, self.applied_step = cfg.name, step
 
-    def _apply(self, ctx: RunContext, step: int) -> dict[str, float]:
+    def _apply(self, ctx: RunContext, step: int) -> dict[str, Any]:
         """One optimiser step on the batch `step` claimed; the engine then holds step `step`. Returns
         the step's metrics: the loss's (rl/step.py) and the batch's (trainer/samples.py)."""
         assert self.engine is not None and self.run_id == ctx.config.name and self.applied_step == step - 1
@@ -163,7 +163,8 @@ class Trainer:
                          pad_token_id=ctx.tokenizer.pad_token_id or 0)
         metrics = self.engine.step(plan, step_seed(cfg.optim.seed, step))
         self.applied_step = step
-        return metrics | batch_metrics(samples, plan, staleness(samples, step, version_steps))
+        stale = staleness(samples, step, version_steps)
+        return metrics | batch_metrics(samples, plan, stale) | {"staleness": stale}  # per trajectory, for metrics
 
     def _newest_version(self, run_id: str, step: int) -> PolicyVersion:
         """The newest published version trained for at most `step` steps: where a restore starts."""
@@ -205,7 +206,7 @@ class Trainer:
         prompt, scored = probe_ids(ctx.tokenizer)
         return manifest, self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
 
-    def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, float], started: datetime,
+    def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, Any], started: datetime,
                 published: tuple[Manifest, dict] | None) -> StepSummary:
         row = TrainStep(
             run_id=inp.run_id, step=inp.step, policy_version=inp.policy_version,
@@ -269,4 +270,6 @@ def _summary(row: TrainStep, published: Manifest | PolicyVersion | None) -> Step
                        staleness_max=row.staleness_max or 0, n_tokens=row.n_tokens,
                        consumed_groups=list(metrics.get("consumed_groups", [])),
                        dropped_groups=list(metrics.get("dropped_groups", [])), published=version,
-                       duration_s=(row.finished_at - row.started_at).total_seconds())
+                       duration_s=(row.finished_at - row.started_at).total_seconds(),
+                       staleness=list(metrics.get("staleness", [])), entropy=row.entropy,
+                       kl_sampler=row.kl_sampler, response_length=row.response_length_mean)

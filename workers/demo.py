@@ -118,6 +118,8 @@ select version, n_prompts, accuracy from eval_results where run_id = '{run}' ord
 
 def _summary(config: RunConfig, ui: str | None, report_dir: Path, elapsed_s: float) -> None:
     table = Table(show_header=False, box=None)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # links and commands are copied whole, never cut with "…"
     if ui:
         table.add_row("Temporal UI", f"{ui}/namespaces/default/workflows/{config.workflow_id}")
     table.add_row("Report", str((report_dir / "report.html").resolve()))

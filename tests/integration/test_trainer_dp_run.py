@@ -40,5 +40,8 @@ async def test_a_data_parallel_run_completes_and_records_its_step_metrics(
         assert all(math.isfinite(x.metrics[k]) for k in STEP_METRICS), x.metrics
         assert (x.entropy, x.kl_sampler, x.grad_norm) == (x.metrics["entropy"], x.metrics["kl_sampler"],
                                                           x.metrics["grad_norm"])
-        assert x.metrics["kl_ref"] >= 0 and x.metrics["entropy"] > 0 and x.metrics["grad_norm"] > 0
-    assert steps[1].metrics["kl_ref"] > 0, "after one update the policy differs from its reference"
+        # grad_norm may be exactly 0: a batch whose groups all have equal rewards has zero advantages,
+        # and the KL gradient is zero while the policy still equals the reference
+        assert x.metrics["kl_ref"] >= 0 and x.metrics["entropy"] > 0 and x.metrics["grad_norm"] >= 0
+    if steps[0].grad_norm > 0:  # a first batch of all-equal rewards moves nothing
+        assert steps[1].metrics["kl_ref"] > 0, "after one update the policy differs from its reference"

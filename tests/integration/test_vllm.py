@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import re
-import time
 import signal
 import socket
 import subprocess
@@ -18,14 +17,12 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from inference.admin import InferenceAdmin, PauseMode
 from inference.client import (
-    Completion,
     InferenceClient,
     RequestRejectedError,
     ResponseLostError,
@@ -35,6 +32,7 @@ from infra.vllm import ServerStartError, vllm_command, wait_healthy
 from policy.chat import chat_prompt_ids, load_tokenizer
 from policy.checkpoint import load_state_dict, save_checkpoint
 from policy.tiny import arithmetic_question, build_tiny_llama
+from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +41,6 @@ STARTUP_TIMEOUT_S = 300
 # Server vs transformers on the same fp32 weights: measured <= 4e-6 on the tiny model and
 # <= 8e-5 on SmolLM2 (docs/vllm-cpu-notes.md); a changed checkpoint moves logprobs by >> 1e-2.
 LOGPROB_TOLERANCE = 1e-4
-LONG = 400  # tokens: long enough (~1 s) for a request to be in flight when a sync starts
 
 
 def free_port() -> int:
@@ -244,25 +241,6 @@ async def test_a_failed_reload_is_repaired_by_reloading_a_good_checkpoint(
     assert await client.complete(prompt, max_tokens=16, seed=9) == before
 
 
-def start_long_requests(client: InferenceClient, prompt: list[int], count: int) -> list[asyncio.Task[Completion]]:
-    return [
-        asyncio.create_task(client.complete(prompt, max_tokens=LONG, seed=i, ignore_eos=True)) for i in range(count)
-    ]
-
-
-async def until_generating(server_url: str, count: int, timeout_s: float = 120.0) -> None:
-    """Return once the server runs `count` requests (so a sync now lands mid-generation)."""
-    pattern = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=server_url) as http:
-        while time.monotonic() < deadline:
-            running = pattern.search((await http.get("/metrics")).text)
-            if running is not None and float(running.group(1)) >= count:
-                return
-            await asyncio.sleep(0.02)
-    raise AssertionError(f"the server never ran {count} requests at once within {timeout_s:.0f}s")
-
-
 async def test_keep_mode_requests_continue_on_the_new_weights(
     server_url: str, admin: InferenceAdmin, tiny_dir: Path, noisy_dir: Path, prompt: list[int]
 ) -> None:
@@ -270,9 +248,9 @@ async def test_keep_mode_requests_continue_on_the_new_weights(
         InferenceClient(server_url, MODEL, route="generate") as generate_client,
         InferenceClient(server_url, MODEL) as completions_client,
     ):
-        via_generate = start_long_requests(generate_client, prompt, 3)
+        via_generate = start_long_requests(generate_client, prompt, IN_FLIGHT - 1)
         via_completions = start_long_requests(completions_client, prompt, 1)
-        await until_generating(server_url, 4)
+        await until_generating(server_url)
         await sync(admin, noisy_dir, "2", mode="keep")
         spanning = [c for c in await asyncio.gather(*via_generate) if len(c.weight_spans or ()) == 2]
         bracketed = (await asyncio.gather(*via_completions))[0]
@@ -297,8 +275,8 @@ async def test_abort_mode_ends_requests_with_their_partial_tokens(
     server_url: str, admin: InferenceAdmin, noisy_dir: Path, prompt: list[int]
 ) -> None:
     async with InferenceClient(server_url, MODEL, route="generate") as generate_client:
-        in_flight = start_long_requests(generate_client, prompt, 3)
-        await until_generating(server_url, 3)
+        in_flight = start_long_requests(generate_client, prompt)
+        await until_generating(server_url)
         await sync(admin, noisy_dir, "3", mode="abort")
         aborted = await asyncio.gather(*in_flight)
     for completion in aborted:
@@ -312,8 +290,8 @@ async def test_wait_mode_lets_requests_finish_on_the_old_weights(
     server_url: str, admin: InferenceAdmin, noisy_dir: Path, prompt: list[int]
 ) -> None:
     async with InferenceClient(server_url, MODEL, route="generate") as generate_client:
-        in_flight = start_long_requests(generate_client, prompt, 3)
-        await until_generating(server_url, 3)
+        in_flight = start_long_requests(generate_client, prompt)
+        await until_generating(server_url)
         await admin.pause("wait")  # returns once they are done
         _, unfinished = await asyncio.wait(in_flight, timeout=10)
         assert not unfinished, "wait mode should finish in-flight requests before resume"

@@ -58,7 +58,7 @@ async def never_called(code: str, *, timeout_s: float) -> FakeOutcome:
 # --- prompt sets ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "calculator", "code"])
+@pytest.mark.parametrize("name", ["arithmetic", "arithmetic_plain", "calculator", "code"])
 def test_same_seed_gives_the_same_prompt_sets_and_another_seed_does_not(name: str) -> None:
     first, again, other = make_env(name, seed=7), make_env(name, seed=7), make_env(name, seed=8)
     for split in ("train", "eval"):
@@ -386,7 +386,7 @@ async def test_a_broken_sandbox_raises_instead_of_becoming_an_observation() -> N
 
 
 def test_unknown_environment_lists_the_known_ones() -> None:
-    known = "known environments: arithmetic, calculator, code"
+    known = "known environments: arithmetic, arithmetic_plain, calculator, code"
     with pytest.raises(UnknownEnvironment, match=f"unknown environment 'chess'; {known}"):
         envs.registry.environment_class("chess")
     with pytest.raises(ValidationError, match="env.name 'chess' is not a registered environment"):

@@ -18,7 +18,7 @@ from graders.base import Grader, GraderDeps, GradeResult, InvalidGrade, validate
 from graders.cache import InMemoryGradeCache, canonical_json, grade_cache_key, grade_with_cache
 from graders.judge import JudgeGrader, UnparsableJudgeOutput, endpoint_url
 from graders.registry import UnknownGrader, build_grader, build_rubric_graders, grader_class
-from graders.rules import AnswerMatchGrader, CodeTestsGrader
+from graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
 from schemas.task import GraderConfig, JudgeConfig
 
 MATH_TASK = Task(id="t:0", split="eval", index=0, question="What is 12 * 7?", reference="84")
@@ -69,6 +69,24 @@ async def run_in_process(code: str, *, timeout_s: float) -> FakeOutcome:
 )
 async def test_answer_match(response: str, score: float, format_ok: bool) -> None:
     result = await AnswerMatchGrader().grade(MATH_TASK, response)
+    assert (result.score, result.details["format_ok"]) == (score, format_ok)
+
+
+@pytest.mark.parametrize(
+    ("response", "score", "format_ok"),
+    [
+        ("84", 1.0, True),
+        ("The answer is 84.", 1.0, True),
+        ("80 + 4 = 84", 1.0, True),
+        ("84, not 85", 0.0, True),        # the LAST integer counts
+        ("It is -84", 0.0, True),
+        ("<answer>84</answer>", 1.0, True),
+        ("eighty-four", 0.0, False),
+        ("", 0.0, False),
+    ],
+)
+async def test_final_number(response: str, score: float, format_ok: bool) -> None:
+    result = await FinalNumberGrader().grade(MATH_TASK, response)
     assert (result.score, result.details["format_ok"]) == (score, format_ok)
 
 
@@ -413,7 +431,7 @@ async def test_invalid_grades_are_not_cached() -> None:
 
 
 def test_unknown_grader_lists_the_known_ones() -> None:
-    known = "known graders: answer_match, code_tests, judge"
+    known = "known graders: answer_match, code_tests, final_number, judge"
     with pytest.raises(UnknownGrader, match=f"unknown grader 'bleu'; {known}"):
         grader_class("bleu")
     with pytest.raises(ValidationError, match="grader.name 'bleu' is not a registered grader"):
