@@ -25,6 +25,7 @@ from schemas.payloads import (
 )
 from storage import buffer
 from storage.db import Database
+from weights.labels import settle_completion, verdicts
 
 
 class RolloutActivities:
@@ -77,6 +78,9 @@ class RolloutActivities:
                             inp.turn_index)
         completion, latency = await heartbeating(sample_turn(
             self.client(inp.server, SERVED_MODEL_NAME), plan, ctx.config, ctx.env, ctx.tokenizer, seed))
+        # tokens sampled while a sync verified new weights count once that sync's verdict is "ok"
+        # (keep mode: a request spanning a sync then records both versions); else the turn is retried
+        completion = await heartbeating(settle_completion(completion, verdicts(self.db, inp.run_id, inp.server)))
         row = turn_row(trajectory, inp.turn_index, plan, completion, latency, inp.server, ctx.env, task,
                        last_turn=inp.turn_index + 1 >= ctx.env.max_turns)
 

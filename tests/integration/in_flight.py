@@ -27,8 +27,10 @@ def start_long_requests(client: InferenceClient, prompt: list[int], count: int =
             for i in range(count)]
 
 
-async def until_generating(server_url: str, count: int = IN_FLIGHT, timeout_s: float = 120.0) -> None:
-    """Return once the server runs `count` requests (so a sync now lands mid-generation)."""
+async def until_generating(server_url: str, count: int = IN_FLIGHT // 2, timeout_s: float = 120.0) -> None:
+    """Return once the server runs `count` requests (so a sync now lands mid-generation). The
+    default is half of IN_FLIGHT: the gauge is sampled, and on a loaded machine the scheduler
+    admits a burst over a few steps, so all IN_FLIGHT are not always seen running at once."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=server_url) as http:
         while time.monotonic() < deadline:

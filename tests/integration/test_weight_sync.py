@@ -215,7 +215,7 @@ async def sync_during_requests(run: Run, sidecar: Sidecar, client: InferenceClie
     """Publish `weights` and sync them while IN_FLIGHT long requests run; (version, completions)."""
     version = prefetched(run, sidecar, run.publish(weights))
     in_flight = start_long_requests(client, prompt, IN_FLIGHT, LONG)
-    await until_generating(server_url, IN_FLIGHT)
+    await until_generating(server_url)
     assert (await sidecar.sync(run.name, version)).status == "ok"
     return version, await asyncio.gather(*in_flight)
 
@@ -252,7 +252,7 @@ async def test_wait_mode_finishes_in_flight_requests_on_the_old_version(
     await sidecar.sync(run.name, run.publish("base"))
     new_version = prefetched(run, sidecar, run.publish("a"))
     in_flight = start_long_requests(client, prompt, IN_FLIGHT, LONG)
-    await until_generating(server_url, IN_FLIGHT)
+    await until_generating(server_url)
     outcome = await sidecar.sync(run.name, new_version)
     assert outcome.status == "ok"
     assert outcome.timings["pause_s"] > outcome.timings["reload_s"]  # the pause waited for them
@@ -308,7 +308,7 @@ async def test_a_checkpoint_with_flipped_bytes_is_refused_before_any_pause(
     data[len(data) // 2] ^= 0xFF  # after its sha256 was recorded
     run.store.client.put_object(Bucket=run.store.bucket, Key=weights.key, Body=bytes(data))
     in_flight = start_long_requests(client, prompt, IN_FLIGHT, LONG)
-    await until_generating(server_url, IN_FLIGHT)
+    await until_generating(server_url)
     outcome = await sidecar.sync(run.name, version)
     assert outcome.status == "refused" and "sha256" in (outcome.error or "")
     assert not all(task.done() for task in in_flight), "the requests should have outlived the refused sync"
