@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean stack-down
+.PHONY: demo test venv clean stack-down
 
 venv: $(STAMP)
 
@@ -28,9 +28,6 @@ test: venv
 
 demo: venv
 	$(BIN)/rlpipe demo
-
-bench: venv
-	$(BIN)/python -m benchmarks.run_all
 
 stack-down:
 	$(BIN)/rlpipe stack down
