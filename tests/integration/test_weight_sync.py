@@ -222,15 +222,22 @@ async def sync_during_requests(run: Run, sidecar: Sidecar, client: InferenceClie
     return version, await asyncio.gather(*in_flight)
 
 
+async def raced_syncs(run: Run, sidecar: Sidecar, client: InferenceClient, server_url: str,
+                      prompt: list[int]) -> AsyncIterator[tuple[int, list[Completion]]]:
+    """The base version, then up to RACE_ATTEMPTS syncs of alternating weights, each with
+    requests in flight; the caller stops once an attempt caught them."""
+    await sidecar.sync(run.name, run.publish("base"))
+    for attempt in range(RACE_ATTEMPTS):
+        yield await sync_during_requests(run, sidecar, client, server_url, prompt, "ab"[attempt % 2])
+
+
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_abort_mode_ends_in_flight_requests_and_a_retry_runs_on_the_new_version(
         make_run, sidecar: Sidecar, client: InferenceClient,
         server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     run = make_run("abort")
-    await sidecar.sync(run.name, run.publish("base"))
-    for weights in ("a", "b", "a")[:RACE_ATTEMPTS]:
-        version, completions = await sync_during_requests(run, sidecar, client, server_url, prompt, weights)
+    async for version, completions in raced_syncs(run, sidecar, client, server_url, prompt):
         aborted = [c for c in completions if c.finish_reason == "abort"]
         for completion in completions:  # finished before the pause on the old weights, or aborted by it
             if completion.finish_reason == "abort":  # the generate activity raises on it and retries
@@ -270,9 +277,7 @@ async def test_keep_mode_request_spanning_a_sync_records_two_version_spans(
         make_run, sidecar: Sidecar, client: InferenceClient,
         server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     run = make_run("keep")
-    await sidecar.sync(run.name, run.publish("base"))
-    for weights in ("a", "b", "a")[:RACE_ATTEMPTS]:
-        version, completions = await sync_during_requests(run, sidecar, client, server_url, prompt, weights)
+    async for version, completions in raced_syncs(run, sidecar, client, server_url, prompt):
         old_label, new_label = str(version - 1), str(version)
         verdict = verdicts(run.db, run.name, sidecar.server)
         spanning = 0
