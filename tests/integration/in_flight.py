@@ -1,9 +1,11 @@
 """Requests that are surely in flight when a test syncs weights into a running vLLM server.
 
-One tiny-model request finishes its 400 tokens in ~0.5 s and vLLM's `num_requests_running` gauge
-is refreshed only every few engine steps, so three requests can come and go unseen. IN_FLIGHT
-requests at once share the server's steps and take ~3 s: long enough to be seen running and to
-still be running when a sync pauses the server right after.
+IN_FLIGHT requests of LONG tokens at once share the server's steps and take seconds: long enough
+to be still running when a sync pauses the server right after they start generating.
+
+"Started generating" is read from vLLM's `generation_tokens_total` counter, not from the
+`num_requests_running` gauge: the gauge holds only the latest sample, so a burst admitted over a
+few steps on a loaded machine can come and go unseen, while a counter only ever grows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from inference.client import Completion, InferenceClient
 
 LONG = 400  # tokens per request (the tiny model's context is 512)
 IN_FLIGHT = 48  # the servers' max_num_seqs is 64
+_GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 _RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
+_WAITING = re.compile(r"^vllm:num_requests_waiting\{[^}]*\} ([0-9.]+)$", re.M)
 
 
 def start_long_requests(client: InferenceClient, prompt: list[int], count: int = IN_FLIGHT,
@@ -27,15 +31,23 @@ def start_long_requests(client: InferenceClient, prompt: list[int], count: int =
             for i in range(count)]
 
 
-async def until_generating(server_url: str, count: int = IN_FLIGHT // 2, timeout_s: float = 120.0) -> None:
-    """Return once the server runs `count` requests (so a sync now lands mid-generation). The
-    default is half of IN_FLIGHT: the gauge is sampled, and on a loaded machine the scheduler
-    admits a burst over a few steps, so all IN_FLIGHT are not always seen running at once."""
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=server_url) as http:
+def _metric(pattern: re.Pattern[str], text: str) -> float:
+    found = pattern.search(text)
+    return float(found.group(1)) if found is not None else 0.0
+
+
+async def until_generating(server_url: str, tokens: int = 2 * IN_FLIGHT, timeout_s: float = 120.0) -> None:
+    """Return once the server has generated `tokens` more tokens than when called (so a sync now
+    lands mid-generation). Fewer than LONG: no request of the burst can have finished yet."""
+    async with httpx.AsyncClient(base_url=server_url, timeout=30) as http:
+        before = _metric(_GENERATED, (await http.get("/metrics")).text)
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            running = _RUNNING.search((await http.get("/metrics")).text)
-            if running is not None and float(running.group(1)) >= count:
+            text = (await http.get("/metrics")).text
+            if _metric(_GENERATED, text) - before >= tokens:
                 return
             await asyncio.sleep(0.02)
-    raise AssertionError(f"the server never ran {count} requests at once within {timeout_s:.0f}s")
+    raise AssertionError(
+        f"the server generated {_metric(_GENERATED, text) - before:.0f} of {tokens} tokens within "
+        f"{timeout_s:.0f}s (running {_metric(_RUNNING, text):.0f}, waiting {_metric(_WAITING, text):.0f})"
+    )

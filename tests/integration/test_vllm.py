@@ -278,12 +278,15 @@ async def test_abort_mode_ends_requests_with_their_partial_tokens(
         in_flight = start_long_requests(generate_client, prompt)
         await until_generating(server_url)
         await sync(admin, noisy_dir, "3", mode="abort")
-        aborted = await asyncio.gather(*in_flight)
+        completions = await asyncio.gather(*in_flight)
+    aborted = [c for c in completions if c.finish_reason == "abort"]
+    assert aborted, "no request was running at the pause"
     for completion in aborted:
-        assert completion.finish_reason == "abort"
         assert len(completion.token_ids) == len(completion.logprobs) < LONG
         if completion.token_ids:
             assert [s.version for s in completion.weight_spans or ()] == ["base"]
+    for queued in (c for c in completions if c.finish_reason != "abort"):  # waiting at the pause: not aborted
+        assert len(queued.token_ids) == LONG and [s.version for s in queued.weight_spans or ()] == ["3"]
 
 
 async def test_wait_mode_lets_requests_finish_on_the_old_weights(
