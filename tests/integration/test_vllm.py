@@ -248,8 +248,8 @@ async def test_keep_mode_requests_continue_on_the_new_weights(
         InferenceClient(server_url, MODEL, route="generate") as generate_client,
         InferenceClient(server_url, MODEL) as completions_client,
     ):
+        via_completions = start_long_requests(completions_client, prompt, 1)  # first: admitted in the first step
         via_generate = start_long_requests(generate_client, prompt, IN_FLIGHT - 1)
-        via_completions = start_long_requests(completions_client, prompt, 1)
         await until_generating(server_url)
         await sync(admin, noisy_dir, "2", mode="keep")
         spanning = [c for c in await asyncio.gather(*via_generate) if len(c.weight_spans or ()) == 2]
@@ -295,16 +295,19 @@ async def test_wait_mode_lets_requests_finish_on_the_old_weights(
     async with InferenceClient(server_url, MODEL, route="generate") as generate_client:
         in_flight = start_long_requests(generate_client, prompt)
         await until_generating(server_url)
-        await admin.pause("wait")  # returns once they are done
-        _, unfinished = await asyncio.wait(in_flight, timeout=10)
-        assert not unfinished, "wait mode should finish in-flight requests before resume"
+        await admin.pause("wait")  # returns once the running requests are done
+        # those still queued at the pause stay queued until the resume
+        finished, queued = await asyncio.wait(in_flight, timeout=10)
+        assert finished, "wait mode should finish the running requests before resume"
         await admin.reload_weights(noisy_dir)
         await admin.update_weight_version("4")
         await admin.resume()
-    for task in in_flight:
-        completion = task.result()
-        assert completion.finish_reason == "length" and len(completion.token_ids) == LONG
-        assert [s.version for s in completion.weight_spans or ()] == ["base"]
+        await asyncio.gather(*queued)
+    for tasks, version in ((finished, "base"), (queued, "4")):
+        for task in tasks:
+            completion = task.result()
+            assert completion.finish_reason == "length" and len(completion.token_ids) == LONG
+            assert [s.version for s in completion.weight_spans or ()] == [version]
 
 
 async def test_many_concurrent_seeded_requests_keep_the_server_alive(
