@@ -60,11 +60,15 @@ more means rollouts run ahead and their data ages in the buffer."""
 WAIT_GROWTH_STEPS = 1.0
 """Growth of that wait from the first to the last third of the run: rollouts produce faster than
 the trainer consumes, and the backlog only stops at the staleness budget (or as dropped groups)."""
-TRAINER_BUSY_BOTTLENECK = 0.85
-"""Trainer busy this much of the wall time while data piles up: the trainer is the bottleneck."""
+TRAINER_DUTY_BOUND = 0.5
+"""Trainer duty (time inside train steps over its steady window, see queries.trainer_duty) while
+data piles up: at least half means it runs steps back to back and is the bottleneck. The rest is
+the turn-around between steps (the workflow hears a step finished and schedules the next): 0.1 s
+on an idle machine, up to ~0.6 s on a loaded 2-core one, so a fast trainer never reaches 100%.
+Below half, steps are not being run although data waits."""
 TRAINER_IDLE_STARVED = 0.5
-"""Async trainer idle at least half the wall time with no backlog: it waits for data (starved).
-Sync mode idles by design (no training while rollouts run), so it is exempt."""
+"""Async trainer outside a step at least half of its steady window with no backlog: it waits for
+data (starved). Sync mode idles by design (no training while rollouts run), so it is exempt."""
 TOOL_TAIL_RATIO = 10.0
 """p99 / p50 of tool latency. A lognormal with sigma 1 already gives ~10; beyond it a few calls
 take most of the time, and every group waits for its slowest sample."""
@@ -142,6 +146,7 @@ class RunFacts:
     groups: q.GroupCounts
     staleness: dict[int, int]
     staleness_by_step: list[q.StepStaleness]
+    trainer_duty: float | None
     tools: q.LatencyStats | None
     tool_share: float | None
     grades: q.GradeStats | None
@@ -168,7 +173,8 @@ def gather_facts(s: Session, run_id: str) -> RunFacts:
         info=info, steps=steps, usage=q.box_usage(s, run_id),
         waits=q.buffer_waits(s, run_id), depth_at_steps=[q.depth_before(depth, st.started_at) for st in steps],
         groups=q.group_counts(s, run_id), staleness=q.staleness_histogram(s, run_id),
-        staleness_by_step=q.staleness_by_step(s, run_id), tools=q.tool_latency_stats(s, run_id),
+        staleness_by_step=q.staleness_by_step(s, run_id), trainer_duty=q.trainer_duty(s, run_id),
+        tools=q.tool_latency_stats(s, run_id),
         tool_share=q.tool_share_of_group_time(s, run_id), grades=q.grade_stats(s, run_id),
         sync=q.sync_share(s, run_id), syncs=q.sync_timings(s, run_id), lags=q.version_lag(s, run_id),
         versions=q.version_anomalies(s, run_id), attempts=q.attempts_by_box(s, run_id),
@@ -191,22 +197,23 @@ def check_buffer_depth(f: RunFacts) -> Finding:
     if len(f.waits) < 2:
         return Finding(BUFFER_DEPTH, "ok", {"steps": len(f.waits)}, "too few steps to judge the buffer")
     early, late = thirds([w.mean_steps for w in f.waits])
-    trainer_busy = f.busy_fraction("trainer")
+    duty = f.trainer_duty if f.trainer_duty is not None else f.busy_fraction("trainer")
     depth = statistics.fmean(f.depth_at_steps) if f.depth_at_steps else 0.0
     evidence = {"wait_steps_early": _r(early, 2), "wait_steps_late": _r(late, 2),
                 "depth_at_step_start": _r(depth, 1), "groups_per_step": f.info.groups_per_step,
-                "trainer_busy": _r(trainer_busy), "dropped_groups": f.groups.dropped}
+                "trainer_duty": _r(duty), "dropped_groups": f.groups.dropped}
     if late >= WAIT_PROBLEM_STEPS and late - early >= WAIT_GROWTH_STEPS:
-        if trainer_busy >= TRAINER_BUSY_BOTTLENECK:
+        if duty >= TRAINER_DUTY_BOUND:
             return Finding(BUFFER_DEPTH, "problem", evidence,
                            f"groups wait longer and longer in the buffer ({early:.1f} -> {late:.1f} steps) while the "
-                           f"trainer is busy {trainer_busy:.0%} of the time: the trainer is slower than the rollouts",
-                           "speed up the trainer (batch.world_size data-parallel ranks, fewer batch.micro_batches) "
-                           "or lower rollout.max_concurrent_groups so rollouts stop producing data that only ages",
-                           symptom="trainer_bound")
+                           f"trainer runs steps {duty:.0%} of the time and turns around between them the rest: "
+                           "the trainer is slower than the rollouts",
+                           "speed up the trainer (batch.world_size data-parallel ranks, fewer batch.micro_batches; "
+                           "more groups per step amortise the turn-around) or lower rollout.max_concurrent_groups "
+                           "so rollouts stop producing data that only ages", symptom="trainer_bound")
         return Finding(BUFFER_DEPTH, "problem", evidence,
                        f"groups wait longer and longer in the buffer ({early:.1f} -> {late:.1f} steps) while the "
-                       f"trainer idles {1 - trainer_busy:.0%} of the time: steps are not being scheduled",
+                       f"trainer is outside a step {1 - duty:.0%} of the time: steps are not being scheduled",
                        "check that the trainer worker is up and polling the trainer queue, and the TrainingRun "
                        "workflow's phase (`rlpipe run status`)", symptom="unscheduled")
     if late >= WAIT_PROBLEM_STEPS:
@@ -214,14 +221,14 @@ def check_buffer_depth(f: RunFacts) -> Finding:
                        f"groups wait {late:.1f} steps in the buffer (steady): their data ages before it is trained on",
                        "lower rollout.max_concurrent_groups or max_staleness so rollouts run less far ahead",
                        symptom="steady_backlog")
-    if f.info.mode == "async" and 1 - trainer_busy >= TRAINER_IDLE_STARVED:
+    if f.info.mode == "async" and 1 - duty >= TRAINER_IDLE_STARVED:
         return Finding(BUFFER_DEPTH, "problem", evidence,
-                       f"the trainer idles {1 - trainer_busy:.0%} of the time with no backlog (groups wait "
+                       f"the trainer is outside a step {1 - duty:.0%} of the time with no backlog (groups wait "
                        f"{late:.1f} steps): it is starved, the rollouts are the bottleneck",
                        "add rollout capacity (inference servers, rollout workers, rollout.max_concurrent_groups) "
                        "or raise max_staleness so rollouts may run further ahead", symptom="starved")
     return Finding(BUFFER_DEPTH, "ok", evidence,
-                   f"groups wait {late:.1f} steps in the buffer, trainer busy {trainer_busy:.0%}")
+                   f"groups wait {late:.1f} steps in the buffer, trainer in a step {duty:.0%} of the time")
 
 
 # -- 2. sandbox tail --------------------------------------------------------------------------------
@@ -327,17 +334,26 @@ def _stale_data(f: RunFacts, evidence: dict[str, float | int | str], mean: float
     wait = statistics.fmean(w.mean_steps for w in f.waits) if f.waits else 0.0
     evidence |= {"buffer_wait_steps": _r(wait, 2), "weights_and_generation_steps": _r(mean - wait, 2)}
     summary = f"the data is {mean:.1f} steps stale on average ({at_bound:.0%} at the bound {f.info.max_staleness})"
+    interval = f.info.sync_interval
+    sync_remedy = (f"lower sync.interval (now {interval}; check sync_share first) or raise max_staleness if this "
+                   "much off-policy data is intended")
+    if interval > 1 and f.info.max_staleness <= interval:
+        # The bound may not go below interval - 1, so it is the interval that lets rollouts make
+        # the data of the coming steps from one old version (whether it then waits in the buffer
+        # or is generated late).
+        return Finding(STALENESS, "problem", evidence,
+                       f"{summary}: sync.interval {interval} keeps the servers on one version for {interval} steps "
+                       f"and the freshness bound {f.info.max_staleness} is pinned to it", sync_remedy,
+                       symptom="sync_interval")
     if wait >= mean / 2:
         return Finding(STALENESS, "problem", evidence,
                        f"{summary}, {wait:.1f} of them waiting in the buffer: rollouts run far ahead of the trainer",
                        "lower max_staleness (rollouts wait instead of producing stale data) or speed up the trainer",
                        symptom="buffer_wait")
-    if f.info.sync_interval > 1:
+    if interval > 1:
         return Finding(STALENESS, "problem", evidence,
-                       f"{summary}, mostly before the data reached the buffer: sync.interval {f.info.sync_interval} "
-                       "keeps the servers on old weights for several steps",
-                       f"lower sync.interval (now {f.info.sync_interval}; check sync_share first) or raise "
-                       "max_staleness if this much off-policy data is intended", symptom="sync_interval")
+                       f"{summary}, mostly before the data reached the buffer: sync.interval {interval} "
+                       "keeps the servers on old weights for several steps", sync_remedy, symptom="sync_interval")
     return Finding(STALENESS, "problem", evidence,
                    f"{summary}, mostly while it was generated: a group takes several optimiser steps to finish",
                    f"shorten groups (rollout.group_deadline_s, fewer env.max_turns); see {SANDBOX_TAIL}",

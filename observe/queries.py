@@ -371,6 +371,18 @@ def box_usage(s: Session, run_id: str) -> dict[str, BoxUsage]:
     return usage
 
 
+def trainer_duty(s: Session, run_id: str) -> float | None:
+    """Share of the trainer's steady window (first step's start to last step's end) spent inside
+    successful train_step attempts; None before two steps. The window leaves out the start-up
+    (policy init, the first rollouts), so it says whether the trainer runs steps back to back."""
+    row = _rows(s, """
+        select sum(extract(epoch from finished_at - started_at)), extract(epoch from max(finished_at) - min(started_at)),
+               count(*)
+        from activity_spans where run_id = :run and activity = 'train_step' and ok""", run=run_id)[0]
+    busy, window, n = row
+    return min(float(busy) / float(window), 1.0) if n >= 2 and window else None
+
+
 def grader_time_share(s: Session, run_id: str) -> float | None:
     """Grader busy seconds / busy seconds of all boxes; None without activity spans."""
     usage = box_usage(s, run_id)
