@@ -3,6 +3,8 @@ and tokenizer. Activities carry only the run id; everything else is looked up he
 
 from __future__ import annotations
 
+import json
+import socket
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from envs.base import Environment
 from envs.registry import build_environment
-from schemas.config import RunConfig
+from schemas.config import ConfigError, RunConfig
 from storage.db import Database
 from storage.runs import load_run_config
 
@@ -26,7 +28,7 @@ class RunContext:
 
     @property
     def model_dir(self) -> Path:
-        return Path(self.config.model.path).resolve()
+        return checked_model_dir(self.config.model.path)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -35,6 +37,25 @@ class RunContext:
 
             self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
+
+
+def checked_model_dir(path: str) -> Path:
+    """`model.path` resolved on this worker, or a ConfigError naming it and what is wrong. Without
+    the check a missing or foreign directory fails inside the model loader, and the trainer's
+    retry policy (retry until the worker is back) would retry that forever."""
+    resolved = Path(path).resolve()
+    where = f"model.path '{path}' ({resolved} on {socket.gethostname()})"
+    if not resolved.is_dir():
+        raise ConfigError(f"{where}: no such directory; prepare one with `rlpipe model prepare`")
+    try:
+        model_type = json.loads((resolved / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    if not model_type:
+        raise ConfigError(f"{where} is not a model directory: no config.json with a model_type")
+    if not any(resolved.glob("*.safetensors")):
+        raise ConfigError(f"{where} is not a model directory: no *.safetensors weights")
+    return resolved
 
 
 class RunContexts:

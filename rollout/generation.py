@@ -8,13 +8,14 @@ is parsed by the environment into tool calls (to run next) or the end of the epi
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from envs.base import Environment, Task, ToolResult
 from envs.toolcalls import ToolCall, ToolCalls
-from inference.client import Completion, InferenceClient
+from inference.client import Completion, InferenceClient, RequestRejectedError
 from rollout.tokens import observation_ids
 from schemas.config import RunConfig
 from storage.buffer import TrajectoryContext
@@ -22,6 +23,11 @@ from storage.buffer import TrajectoryContext
 
 class ContextTooLong(ValueError):
     """The prompt alone does not fit the model's context; retrying cannot help."""
+
+
+_SERVER_CONTEXT_LIMIT = re.compile(r"maximum (model|context) length")
+"""vLLM's 400 for a prompt over its --max-model-len says "maximum model length" (generate route) or
+"maximum context length" (completions route)."""
 
 
 class UnpublishedWeights(RuntimeError):
@@ -68,10 +74,17 @@ async def sample_turn(client: InferenceClient, plan: TurnPlan, config: RunConfig
         raise ContextTooLong(f"the context has {len(plan.context_ids)} tokens, the model's limit is "
                              f"{config.model.max_model_len} (model.max_model_len)")
     started = time.monotonic()
-    completion = await client.complete(
-        plan.context_ids, max_tokens=min(config.sampling.max_tokens, budget), temperature=config.sampling.temperature,
-        top_p=config.sampling.top_p, seed=seed, stop=list(env.stop_sequences),
-        stop_token_ids=[tokenizer.eos_token_id])
+    try:
+        completion = await client.complete(
+            plan.context_ids, max_tokens=min(config.sampling.max_tokens, budget),
+            temperature=config.sampling.temperature, top_p=config.sampling.top_p, seed=seed,
+            stop=list(env.stop_sequences), stop_token_ids=[tokenizer.eos_token_id])
+    except RequestRejectedError as exc:
+        if exc.status == 400 and _SERVER_CONTEXT_LIMIT.search(exc.body):  # a 400 would be retried in vain
+            raise ContextTooLong(f"the context has {len(plan.context_ids)} tokens, more than the server's "
+                                 f"context (model.max_model_len {config.model.max_model_len} is larger than the "
+                                 f"server's --max-model-len): {exc}") from exc
+        raise
     if completion.finish_reason == "abort":  # a sync paused the server in `abort` mode
         raise UnpublishedWeights(f"the request was aborted by a weight sync after {len(completion.token_ids)} "
                                  "tokens; it is retried on the new weights")

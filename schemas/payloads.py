@@ -71,6 +71,8 @@ class RunState:
     """Steps since the last continue-as-new."""
     last_step_summary: StepSummary | None = None
     evals: list[EvalSummary] = field(default_factory=list)
+    last_group_failure: str | None = None
+    """Why the latest failed or dropped group ended so (e.g. the inference server is unreachable)."""
 
 
 @dataclass
@@ -96,6 +98,7 @@ class RunStatus:
     max_staleness: int
     last_step: StepSummary | None
     evals: list[EvalSummary] = field(default_factory=list)
+    last_group_failure: str | None = None
 
 
 @dataclass

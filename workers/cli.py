@@ -442,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         args.fn(args)
     except CliError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        print_error(exc)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - known error types print as one line
         from infra.settings import SettingsError
@@ -456,9 +456,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if isinstance(exc, StackError | SettingsError | ConfigError | RunCommandError | WorkerStartError |
                       WrongVersionServed):
-            console.print(f"[red]error:[/] {exc}")
+            print_error(exc)
             sys.exit(2)
         raise
+
+
+def print_error(exc: Exception) -> None:
+    """One line per error. The message is escaped: its brackets (a name pattern such as
+    '^[a-z0-9]...', a list) are text, not rich markup that would be dropped or fail to parse."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/] {escape(str(exc))}")
 
 
 if __name__ == "__main__":

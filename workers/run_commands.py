@@ -113,6 +113,8 @@ def status_table(status: RunStatus) -> Table:
                   ", ".join(f"{s}=v{v}" for s, v in sorted(status.server_versions.items())))
     table.add_row("groups", f"{status.in_flight} in flight, {status.buffered} buffered, {status.groups_consumed} "
                             f"trained, {status.groups_dropped} dropped, {status.groups_failed} failed")
+    if status.last_group_failure is not None:
+        table.add_row("last failure", status.last_group_failure)
     if last is not None:
         table.add_row("last step", f"#{last.step}: reward {last.reward_mean:.3f}, loss {last.loss:.4f}, "
                                    f"staleness ≤ {last.staleness_max}, {last.n_tokens} tokens, {last.duration_s:.1f}s")

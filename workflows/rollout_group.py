@@ -71,6 +71,8 @@ class RolloutGroupWorkflow:
         if len(kept) < inp.group_size:
             why = (f"deadline of {inp.group_deadline_s}s passed" if deadline_passed else "samples failed") + \
                   f" with {len(kept)}/{inp.group_size} samples finished"
+            if self.failed:  # the first sample's error says why (a server down, a prompt too long)
+                why += f"; sample {min(self.failed)}: {self.failed[min(self.failed)][:500]}"
             if inp.straggler_policy == "partial" and len(kept) >= inp.min_partial_samples:
                 reason = f"partial group: {why}"
             else:
@@ -125,7 +127,8 @@ class RolloutGroupWorkflow:
 
 
 def _cause(err: BaseException) -> str:
-    """The innermost error message of an activity failure chain."""
-    while err.__cause__ is not None:
+    """The message of the error the activity raised, which names the server or grader involved
+    (its own causes, e.g. a bare "ConnectError", do not)."""
+    while isinstance(err, ActivityError) and err.__cause__ is not None:
         err = err.__cause__
     return str(err)

@@ -20,7 +20,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey, WorkflowIDReusePolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -76,12 +76,12 @@ class TrainingRunWorkflow:
     @workflow.run
     async def run(self, config: RunConfig, carried: RunState | None = None) -> RunResult:
         self.config = config = _validated(config)
-        if carried is None:
-            await self._start()
-        else:
-            self.state.steps_this_run = 0
-        self._publish_attributes()
         try:
+            if carried is None:
+                await self._start()
+            else:
+                self.state.steps_this_run = 0
+            self._publish_attributes()
             launcher = asyncio.create_task(self._keep_rollouts_in_flight())
             while self.state.step < config.steps:
                 await workflow.wait_condition(lambda: self._can_train() or self._should_continue_as_new())
@@ -93,7 +93,10 @@ class TrainingRunWorkflow:
                 await self._train_step()
             await self._stop_launcher(launcher)
             await self._await_sync()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ActivityError) as err:
+            # a cancel reaches `run` as CancelledError, or as ActivityError while it awaits an activity
+            if not is_cancelled_exception(err):
+                raise
             self.stopping = True
             await self._set_status("cancelled", "cancelled by user")
             raise
@@ -104,7 +107,8 @@ class TrainingRunWorkflow:
 
     async def _start(self) -> None:
         cfg = self.config
-        self.state = RunState(sync_interval=cfg.sync.interval, max_staleness=cfg.staleness)
+        # update handlers may run before `run` (a pause sent with the start): keep what they set
+        self.state.sync_interval, self.state.max_staleness = cfg.sync.interval, cfg.staleness
         registered: RegisterRunResult = await workflow.execute_activity(
             "register_run", cfg, result_type=RegisterRunResult, task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
         if not registered.servers:
@@ -186,6 +190,8 @@ class TrainingRunWorkflow:
             s.groups_dropped += 1
         else:
             s.groups_failed += 1
+        if summary.status != "completed":  # the status query says why, e.g. a server that is down
+            s.last_group_failure = f"group {summary.group_index} {summary.status}: {summary.reason}"
 
     def _is_fresh(self, group: GroupSummary, step: int) -> bool:
         """Would `group` be within the staleness budget if trained on at `step`?"""
@@ -294,7 +300,7 @@ class TrainingRunWorkflow:
                          groups_consumed=s.groups_consumed, groups_dropped=s.groups_dropped,
                          groups_failed=s.groups_failed, paused=s.paused, pause_reason=s.pause_reason,
                          sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
-                         evals=list(s.evals))
+                         evals=list(s.evals), last_group_failure=s.last_group_failure)
 
     @workflow.update
     async def pause(self, request: PauseRequest) -> RunStatus:
