@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean stack-down
+.PHONY: demo test bench venv clean stack-down
 
 venv: $(STAMP)
 
@@ -25,6 +25,15 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(BIN)/python -m pytest
+
+# Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md.
+# async_vs_sync also writes trainer_efficiency.json from its sync runs. Under 30 min on 2 cores.
+bench: venv
+	$(BIN)/python -m benchmarks.async_vs_sync
+	$(BIN)/python -m benchmarks.orchestration
+	$(BIN)/python -m benchmarks.weight_sync
+	$(BIN)/python -m benchmarks.graders
+	$(BIN)/python -m benchmarks.report
 
 demo: venv
 	$(BIN)/rlpipe demo
