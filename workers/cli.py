@@ -286,6 +286,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
     sys.exit(run_demo(args.config_file))
 
 
+def cmd_chaos(args: argparse.Namespace) -> None:
+    from workers.chaos import main_chaos
+
+    sys.exit(main_chaos(args.config_file, kills=args.kills, minutes=args.minutes, seed=args.seed, hard=args.hard,
+                        steps=args.steps, stack_config=args.config, console=console))
+
+
 def _observe(tool: str, argv: list[str]) -> int:
     """`rlpipe report|doctor ...` is `python -m observe.report|doctor ...`."""
     if tool == "report":
@@ -427,6 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("config_file", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "configs"
                       / "demo.toml")
     demo.set_defaults(fn=cmd_demo)
+
+    chaos = groups.add_parser("chaos", help="a run under fire: kill and restart workers and servers at random, "
+                                            "then check the run's invariants; exit 1 if one fails")
+    chaos.add_argument("config_file", type=Path, help="run config (TOML), e.g. configs/tiny-calculator.toml")
+    chaos.add_argument("--kills", type=int, default=9, help="disruptions (each target once per round)")
+    chaos.add_argument("--minutes", type=float, default=10.0, help="stop disrupting after this long")
+    chaos.add_argument("--seed", type=int, help="seed of the plan (printed; default: random)")
+    chaos.add_argument("--steps", type=int, help="override the config's steps")
+    chaos.add_argument("--hard", action="store_true", help="SIGKILL Temporal, Postgres and SeaweedFS too "
+                                                           "(default: their ordinary stop)")
+    chaos.set_defaults(fn=cmd_chaos)
 
     evaluate = groups.add_parser("eval", help="held-out accuracy of the version a server holds")
     evaluate.add_argument("run")

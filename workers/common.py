@@ -6,8 +6,10 @@ INFERENCE_URLS), else from the local stack's state directory (`infra.endpoints`)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 
 from temporalio.client import Client
 from temporalio.runtime import Runtime
@@ -36,9 +38,24 @@ def data_converter() -> DataConverter:
     return dataclasses.replace(pydantic_data_converter, payload_codec=codec) if codec else pydantic_data_converter
 
 
-async def connect(ep: Endpoints, runtime: Runtime | None = None) -> Client:
-    return await Client.connect(ep.temporal_address, namespace=ep.temporal_namespace,
-                                data_converter=data_converter(), runtime=runtime)
+WORKER_CONNECT_WAIT_S = 300.0
+"""How long a worker starting while Temporal is down (restarting) keeps trying to connect; once
+connected, the SDK reconnects by itself. Without it a worker started during an outage exits at
+once and its queue has no poller until someone restarts it (a chaos run found the grader so)."""
+
+
+async def connect(ep: Endpoints, runtime: Runtime | None = None, wait_s: float = 0.0) -> Client:
+    """A client of the run's Temporal; `wait_s` > 0 retries a refused first connection that long."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await Client.connect(ep.temporal_address, namespace=ep.temporal_namespace,
+                                        data_converter=data_converter(), runtime=runtime)
+        except RuntimeError as exc:  # the SDK's "Failed client connect"
+            if time.monotonic() >= deadline:
+                raise
+            logging.getLogger("rlpipe").warning("Temporal at %s unreachable (%s); retrying", ep.temporal_address, exc)
+            await asyncio.sleep(2.0)
 
 
 def start_metrics(name: str, kind: str, boxes: tuple[str, ...], server: str | None = None) -> Runtime:

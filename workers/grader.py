@@ -14,13 +14,13 @@ from sandbox.executor import SandboxExecutor
 from sandbox.runner import Sandbox
 from schemas.payloads import GRADER_QUEUE
 from storage.db import Database
-from workers.common import connect, endpoints, server_urls, setup_logging, start_metrics
+from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
 
 
 async def run_grader_worker(max_concurrent_groups: int = 32) -> None:
     log = setup_logging("grader")
     ep = endpoints()
-    client = await connect(ep, start_metrics("grader", "grader", ("grader",)))
+    client = await connect(ep, start_metrics("grader", "grader", ("grader",)), wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
     async with Sandbox(SandboxConfig()) as sandbox, httpx.AsyncClient(timeout=120) as http:
         contexts, executor = RunContexts(db), SandboxExecutor(sandbox)

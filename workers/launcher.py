@@ -51,7 +51,9 @@ class WorkerSet:
     def log(self, name: str) -> Path:
         return self.home / "workers" / f"{name}.log"
 
-    def up(self, only: list[str] | None = None, progress=print) -> list[ProcessRecord]:  # type: ignore[no-untyped-def]
+    def up(self, only: list[str] | None = None, progress=print,  # type: ignore[no-untyped-def]
+           grace_s: float = 8.0) -> list[ProcessRecord]:
+        """Start the workers not running; those that die within `grace_s` are reported with their log."""
         started = []
         for spec in worker_specs(self.servers):
             if only and spec.name not in only:
@@ -64,7 +66,7 @@ class WorkerSet:
             self.table.put(record)
             started.append(record)
             progress(f"{spec.name}: started (pid {record.pid}, log {record.log})")
-        self._check_alive(started)
+        self._check_alive(started, grace_s)
         return started
 
     def _check_alive(self, started: list[ProcessRecord], grace_s: float = 8.0) -> None:

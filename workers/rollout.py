@@ -12,7 +12,8 @@ from activities.rollout import RolloutActivities
 from rollout.context import RunContexts
 from schemas.payloads import ROLLOUT_QUEUE, WORKFLOW_QUEUE
 from storage.db import Database
-from workers.common import connect, endpoints, server_urls, setup_logging, start_metrics, workflow_runner
+from workers.common import (WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging,
+                            start_metrics, workflow_runner)
 from workflows.rollout_group import RolloutGroupWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
@@ -20,7 +21,8 @@ from workflows.training_run import TrainingRunWorkflow
 async def run_rollout_worker(max_concurrent_generations: int = 256) -> None:
     log = setup_logging("rollout")
     ep = endpoints()
-    client = await connect(ep, start_metrics("rollout", "rollout", ("rollout", "persist")))
+    client = await connect(ep, start_metrics("rollout", "rollout", ("rollout", "persist")),
+                           wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url, pool_size=10)
     servers = server_urls(ep)
     bookkeeping = BookkeepingActivities(db, sorted(servers))

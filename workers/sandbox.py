@@ -11,13 +11,13 @@ from sandbox.executor import SandboxExecutor
 from sandbox.runner import Sandbox
 from schemas.payloads import SANDBOX_QUEUE
 from storage.db import Database
-from workers.common import connect, endpoints, setup_logging, start_metrics
+from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
 
 
 async def run_sandbox_worker(max_concurrent_tools: int = 64) -> None:
     log = setup_logging("sandbox")
     ep = endpoints()
-    client = await connect(ep, start_metrics("sandbox", "sandbox", ("sandbox",)))
+    client = await connect(ep, start_metrics("sandbox", "sandbox", ("sandbox",)), wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
     async with Sandbox(SandboxConfig()) as sandbox:
         tools = ToolActivities(db, RunContexts(db), SandboxExecutor(sandbox))

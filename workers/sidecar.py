@@ -24,7 +24,7 @@ from storage.db import Database
 from storage.object_store import ObjectStore
 from storage.syncs import run_workflow_id
 from weights.sidecar import Sidecar, StateListener
-from workers.common import connect, endpoints, server_urls, setup_logging, start_metrics
+from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
 
 SHARED_CHECKPOINTS_ENV = "RLPIPE_SHARED_CHECKPOINTS"
 SERVER_STATE_SIGNAL = "server_state"
@@ -39,7 +39,8 @@ async def run_sidecar_worker(server: str) -> None:
     if server not in urls:
         raise SystemExit(f"no inference server '{server}': the workers know {sorted(urls) or 'none'} "
                          "(INFERENCE_URLS or `rlpipe stack up --inference N`)")
-    client = await connect(ep, start_metrics(f"sidecar-{server}", "sidecar", ("sync",), server))
+    client = await connect(ep, start_metrics(f"sidecar-{server}", "sidecar", ("sync",), server),
+                           wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
     shared = os.environ.get(SHARED_CHECKPOINTS_ENV)
     sidecar = Sidecar(db, ObjectStore.from_endpoints(ep), server, urls[server],

@@ -12,13 +12,13 @@ from storage.object_store import ObjectStore
 from trainer.trainer import Trainer
 from infra.settings import load_settings
 from observe.metrics import METRICS, start_db_refresh
-from workers.common import connect, endpoints, setup_logging, start_metrics
+from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
 
 
 async def run_trainer_worker() -> None:
     log = setup_logging("trainer")
     ep = endpoints()
-    client = await connect(ep, start_metrics("trainer", "trainer", ("trainer",)))
+    client = await connect(ep, start_metrics("trainer", "trainer", ("trainer",)), wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
     start_db_refresh(METRICS, db.begin)  # buffer depth, staleness and shares from Postgres
     trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), load_settings().home.resolve() / "trainer")

@@ -35,8 +35,13 @@ EVALUATE = {"start_to_close_timeout": timedelta(minutes=30), "heartbeat_timeout"
 
 
 def sync_options(timeout_s: float) -> dict[str, object]:
-    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=60),
-            "retry_policy": retry(5, first_s=2, max_s=30)}
+    """Retried until `timeout_s` has passed in all, not for a count of attempts: a failed attempt
+    usually means the server is restarting, and a vLLM start takes 40-150 s on 2 cores, longer than
+    5 quick attempts last (~30 s). A base-policy sync that gives up fails the whole run, and a later
+    one leaves the server on old weights (chaos runs found both)."""
+    limit = timedelta(seconds=timeout_s)
+    return {"schedule_to_close_timeout": limit, "start_to_close_timeout": limit,
+            "heartbeat_timeout": timedelta(seconds=60), "retry_policy": retry(0, first_s=2, max_s=30)}
 
 
 def generate_options(timeout_s: float, attempts: int) -> dict[str, object]:

@@ -8,11 +8,15 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from observe import invariants
 from schemas.config import RunConfig, load_run_config
 from storage.db import Database
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RUN_TIMEOUT_S = 600
+AUDIT_TRAIL = (invariants.RUN_COMPLETED, invariants.CONSUMED_ONCE, invariants.WITHIN_STALENESS,
+               invariants.VERSIONS_CONTIGUOUS, invariants.VERSIONS_PUBLISHED)
+"""The invariants that hold when a run returns (groups it abandoned may still be running)."""
 
 
 def tiny_config(tiny_model: Path, config_file: str = "tiny-arithmetic.toml", **overrides: Any) -> RunConfig:
@@ -32,22 +36,12 @@ def rows(db: Database, sql: str, **params: object) -> list[sa.Row]:
 
 
 def assert_audit_trail(db: Database, cfg: RunConfig) -> None:
-    """What every completed run must satisfy, read back from Postgres."""
-    versions = rows(db, "select version, trained_steps from policy_versions where run_id = :r order by version",
-                    r=cfg.name)
-    assert [v.version for v in versions] == list(range(len(versions))), "versions contiguous from 0"
-    assert all(a.trained_steps < b.trained_steps for a, b in zip(versions, versions[1:])), "monotonic"
-    steps = rows(db, "select step, n_groups from train_steps where run_id = :r order by step", r=cfg.name)
-    assert [(s.step, s.n_groups) for s in steps] == [(i, cfg.rollout.groups_per_step) for i in range(1, cfg.steps + 1)]
-    lag = rows(db, "select max(staleness) as worst, count(*) as n, count(distinct trajectory_id) as distinct_n "
-                   "from v_version_lag where run_id = :r", r=cfg.name)[0]
-    assert lag.n == lag.distinct_n, "a trajectory consumed twice"
-    assert lag.n <= cfg.steps * cfg.rollout.groups_per_step * cfg.rollout.group_size
-    assert lag.worst <= cfg.staleness
-    unpublished = rows(db, "select count(*) as n from trajectories t where t.run_id = :r and t.policy_version is "
-                           "not null and not exists (select 1 from policy_versions p where p.run_id = t.run_id "
-                           "and p.version = t.policy_version)", r=cfg.name)[0].n
-    assert unpublished == 0, "a trajectory records a version that was never published"
+    """What every completed run must satisfy, read back from Postgres: the shared invariants
+    (observe/invariants.py) that hold as soon as the run returns, then its syncs."""
+    with db.begin() as s:
+        found = invariants.check_run(s, cfg.name, only=AUDIT_TRAIL)
+    assert [inv.name for inv in found if inv.ok] == list(AUDIT_TRAIL), [inv for inv in found if not inv.ok]
+    versions = rows(db, "select version from policy_versions where run_id = :r", r=cfg.name)
     syncs = rows(db, "select version, status, probe_max_abs_diff, greedy_match from sync_events "
                      "where run_id = :r order by version", r=cfg.name)
     assert {s.version for s in syncs} == {v.version for v in versions}
