@@ -1,11 +1,13 @@
 """Trainer efficiency: the trainer worker's whole step against a bare PyTorch loop (issue #8, item 4).
 
-The trainer's step (trainer/trainer.py) as the `train_steps` table records it, wall time from start
-to commit: claim from the Postgres buffer, advantages and global denominators, forward/backward/AdamW,
-batch metrics, checkpoint publish (safetensors + S3 upload + probe logprobs), commit. The bare loop
-gets the very same batch (the trajectories that step claimed, read back and padded with the
-project's `collate`) and does only forward, a policy-gradient loss, backward, clip and AdamW.
-Trainer steps are taken from sync-mode runs, where nothing else runs beside the trainer.
+Three timings of the very same batch (the trajectories a step claimed, read back from Postgres):
+1) the trainer worker's step as `train_steps` records it, start to commit: claim, advantages and
+   global denominators, forward/backward/AdamW, metrics, checkpoint publish (safetensors + S3 upload +
+   probe logprobs), commit -- in the worker process, during sync-mode runs (nothing else runs beside it);
+2) the trainer's engine path in this process: rl.batching.plan_step + LocalEngine.step (the PPO-clip
+   loss with its metrics, global denominators, grad clip, AdamW);
+3) a bare PyTorch loop in this process: forward, a policy-gradient loss, backward, clip, AdamW.
+2) and 3) alternate repeat by repeat, so the shared machine's noise hits both.
 
 `make bench` measures this at the end of benchmarks/async_vs_sync.py (same stack, same runs).
 Alone it starts its own stack and one short sync run:
@@ -26,17 +28,15 @@ from benchmarks.common import summarize, write_result
 NAME = "trainer_efficiency"
 
 
-def step_batch(db, run_id: str, step: int, pad_token_id: int):  # type: ignore[no-untyped-def]
-    """The padded batch that step `step` of the run trained on, with GRPO advantages."""
-    from rl.batch import collate
-    from rl.batching import assign_advantages, global_stats
+def step_samples(db, run_id: str, step: int):  # type: ignore[no-untyped-def]
+    """The samples (with GRPO advantages) that step `step` of the run trained on."""
+    from rl.batching import assign_advantages
     from schemas.algorithm import AdvantageConfig
     from storage import buffer
     from trainer.samples import to_samples
 
     with db.begin() as s:
-        samples = assign_advantages(to_samples(buffer.claimed_trajectories(s, run_id, step)), AdvantageConfig())
-    return collate(samples, global_stats(samples, world_size=1), pad_token_id=pad_token_id)
+        return assign_advantages(to_samples(buffer.claimed_trajectories(s, run_id, step)), AdvantageConfig())
 
 
 def bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch) -> None:  # type: ignore[no-untyped-def]
@@ -52,42 +52,60 @@ def bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch) -> None
 
 
 def compare(db, run_ids: list[str], model_dir: Path, repeats: int = 5) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """Per trained step of the runs: trainer wall (claim..commit) and its parts vs the bare step."""
+    """Per trained step of the runs, three timings of the same batch: the trainer worker's recorded
+    step (claim .. commit, from train_steps), and, alternating in this process, the trainer's engine
+    path (rl.batching.plan_step + LocalEngine.step: the worker's `train_s` without its database reads)
+    and the bare loop."""
     from transformers import AutoTokenizer
 
     from observe.queries import step_metrics
-    from trainer.engine import load_policy
+    from rl.batch import collate
+    from rl.batching import global_stats, plan_step
+    from schemas.config import RunConfig
+    from trainer.engine import EngineSpec, LocalEngine, load_policy
 
+    cfg = RunConfig()   # the benchmark runs keep the default advantage, loss, batch and optimiser
     pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id or 0
+    engine = LocalEngine(EngineSpec(model_dir, model_dir, None, cfg.loss, cfg.optim, world_size=1))
     model = load_policy(model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
+
+    def engine_step(samples) -> None:  # type: ignore[no-untyped-def]
+        engine.step(plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch, pad_token_id=pad), 0)
+
+    def plain_step(samples) -> None:  # type: ignore[no-untyped-def]
+        bare_step(model, opt, collate(samples, global_stats(samples, world_size=1), pad_token_id=pad))
+
     rows = []
     for run_id in run_ids:
         with db.begin() as s:
             steps = step_metrics(s, run_id)
         for st in steps:
-            batch = step_batch(db, run_id, st.step, pad)
-            bare_step(model, opt, batch)                       # warm-up (allocator, optimizer state)
-            bare = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                bare_step(model, opt, batch)
-                bare.append(time.perf_counter() - t0)
-            tokens = int(batch.attention_mask.sum())
-            rows.append({"run": run_id, "step": st.step, "tokens": tokens, "trainer_s": st.duration_s,
-                         "train_s": st.metrics.get("train_s"), "claim_s": st.metrics.get("claim_s"),
-                         "publish_s": st.metrics.get("publish_s"), "bare_s": summarize(bare).median})
-    return {"steps": rows,
+            samples = step_samples(db, run_id, st.step)
+            engine_step(samples), plain_step(samples)            # warm-up (allocator, optimizer state)
+            times: dict[str, list[float]] = {"engine": [], "bare": []}
+            for _ in range(repeats):                             # alternate: the machine's noise hits both
+                for kind, fn in (("engine", engine_step), ("bare", plain_step)):
+                    t0 = time.perf_counter()
+                    fn(samples)
+                    times[kind].append(time.perf_counter() - t0)
+            rows.append({"run": run_id, "step": st.step, "tokens": sum(x.num_tokens for x in samples),
+                         "trainer_s": st.duration_s, "train_s": st.metrics.get("train_s"),
+                         "claim_s": st.metrics.get("claim_s"), "publish_s": st.metrics.get("publish_s"),
+                         "engine_s": summarize(times["engine"]).median, "bare_s": summarize(times["bare"]).median})
+    return {"steps": rows, "repeats": repeats,
             "trainer_tokens_per_s": summarize([r["tokens"] / r["trainer_s"] for r in rows]),
-            "trainer_compute_only_tokens_per_s": summarize([r["tokens"] / r["train_s"] for r in rows if r["train_s"]]),
+            "engine_tokens_per_s": summarize([r["tokens"] / r["engine_s"] for r in rows]),
             "bare_tokens_per_s": summarize([r["tokens"] / r["bare_s"] for r in rows]),
+            "engine_over_bare": summarize([r["bare_s"] / r["engine_s"] for r in rows]),
             "trainer_over_bare": summarize([r["bare_s"] / r["trainer_s"] for r in rows]),
-            "compute_only_over_bare": summarize([r["bare_s"] / r["train_s"] for r in rows if r["train_s"]]),
             "publish_share": summarize([(r["publish_s"] or 0.0) / r["trainer_s"] for r in rows])}
 
 
-def record(db, run_ids: list[str], model_dir: Path) -> Path:  # type: ignore[no-untyped-def]
-    return write_result(NAME, {"runs": run_ids, "model": str(model_dir), **compare(db, run_ids, model_dir)})
+def record(db, run_ids: list[str], model_dir: Path, command: str | None = None) -> Path:  # type: ignore[no-untyped-def]
+    """trainer_efficiency.json; `command` names the benchmark that made the runs, when not this one."""
+    extra = {"command": command} if command else {}
+    return write_result(NAME, {"runs": run_ids, "model": str(model_dir), **compare(db, run_ids, model_dir), **extra})
 
 
 def main() -> None:
