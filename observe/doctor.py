@@ -66,9 +66,12 @@ data piles up: at least half means it runs steps back to back and is the bottlen
 the turn-around between steps (the workflow hears a step finished and schedules the next): 0.1 s
 on an idle machine, up to ~0.6 s on a loaded 2-core one, so a fast trainer never reaches 100%.
 Below half, steps are not being run although data waits."""
-TRAINER_IDLE_STARVED = 0.5
-"""Async trainer outside a step at least half of its steady window with no backlog: it waits for
-data (starved). Sync mode idles by design (no training while rollouts run), so it is exempt."""
+TRAINER_IDLE_STARVED_WARN = 0.5
+TRAINER_IDLE_STARVED_PROBLEM = 0.85
+"""Async trainer outside a step over its steady window with no backlog: it waits for data
+(starved). Generation usually dominates RL compute, so a trainer idle half the time is a capacity
+hint (warn), not a fault; idle 85% of the time, the trainer's hardware is mostly wasted. Sync mode
+idles by design (no training while rollouts run), so it is exempt."""
 TOOL_TAIL_RATIO = 10.0
 """p99 / p50 of tool latency. A lognormal with sigma 1 already gives ~10; beyond it a few calls
 take most of the time, and every group waits for its slowest sample."""
@@ -84,8 +87,10 @@ GRADER_SHARE_PROBLEM = 0.35
 graders take milliseconds. A grader with over a third of all busy time paces the pipeline."""
 SYNC_SHARE_WARN = 0.1
 SYNC_SHARE_PROBLEM = 0.25
-"""Wall time spent syncing weights. Each sync pauses generation on its server, so a quarter of
-the wall time in syncs caps rollout throughput at three quarters."""
+"""Share of the servers' time paused for weight syncs (pause to resume, reload included). A
+paused server generates nothing, so a quarter of its time paused caps rollout throughput at three
+quarters. Downloading and verifying happen while the server serves: a slow one costs staleness
+(the staleness check), not throughput."""
 STALENESS_MEAN_PROBLEM = 1.5
 """Mean staleness in optimiser steps. One-step-off data (mean <= 1) is the async design; beyond
 1.5 most data was generated two or more updates ago and off-policy correction does the work."""
@@ -221,8 +226,9 @@ def check_buffer_depth(f: RunFacts) -> Finding:
                        f"groups wait {late:.1f} steps in the buffer (steady): their data ages before it is trained on",
                        "lower rollout.max_concurrent_groups or max_staleness so rollouts run less far ahead",
                        symptom="steady_backlog")
-    if f.info.mode == "async" and 1 - duty >= TRAINER_IDLE_STARVED:
-        return Finding(BUFFER_DEPTH, "problem", evidence,
+    if f.info.mode == "async" and 1 - duty >= TRAINER_IDLE_STARVED_WARN:
+        status: Status = "problem" if 1 - duty >= TRAINER_IDLE_STARVED_PROBLEM else "warn"
+        return Finding(BUFFER_DEPTH, status, evidence,
                        f"the trainer is outside a step {1 - duty:.0%} of the time with no backlog (groups wait "
                        f"{late:.1f} steps): it is starved, the rollouts are the bottleneck",
                        "add rollout capacity (inference servers, rollout workers, rollout.max_concurrent_groups) "
@@ -281,21 +287,25 @@ def check_grader_share(f: RunFacts) -> Finding:
 
 # -- 4. sync share ----------------------------------------------------------------------------------
 def check_sync_share(f: RunFacts) -> Finding:
-    """Is weight sync eating the wall time?"""
+    """Are weight syncs pausing generation for long?"""
     if f.sync is None:
         return Finding(SYNC_SHARE, "ok", {"syncs": 0}, "no weight syncs recorded")
+    pauses = [r.pause_s for r in f.syncs if r.pause_s is not None]
     totals = [r.total_s for r in f.syncs if r.total_s is not None]
-    evidence = {"sync_share": _r(f.sync.share), "syncs": f.sync.n_syncs, "sync_interval": f.info.sync_interval,
+    paused = f.sync.paused_share
+    evidence = {"paused_share": _r(paused), "sync_share": _r(f.sync.share), "syncs": f.sync.n_syncs,
+                "sync_interval": f.info.sync_interval,
+                "pause_p50_s": _r(statistics.median(pauses)) if pauses else "-",
                 "sync_p50_s": _r(statistics.median(totals)) if totals else "-"}
+    summary = (f"servers are paused for weight syncs {paused:.0%} of the time "
+               f"(a sync is in progress {f.sync.share:.0%} of the wall time)")
     remedy = (f"raise sync.interval (now {f.info.sync_interval}; max_staleness must stay >= interval - 1), "
               "or make syncs cheaper: sync.pause_mode = 'keep', checkpoints near the servers")
-    if f.sync.share >= SYNC_SHARE_PROBLEM:
-        return Finding(SYNC_SHARE, "problem", evidence,
-                       f"weight syncs take {f.sync.share:.0%} of the wall time: generation is paused that long",
-                       remedy)
-    if f.sync.share >= SYNC_SHARE_WARN:
-        return Finding(SYNC_SHARE, "warn", evidence, f"weight syncs take {f.sync.share:.0%} of the wall time", remedy)
-    return Finding(SYNC_SHARE, "ok", evidence, f"weight syncs take {f.sync.share:.0%} of the wall time")
+    if paused >= SYNC_SHARE_PROBLEM:
+        return Finding(SYNC_SHARE, "problem", evidence, f"{summary}: generation stops that long", remedy)
+    if paused >= SYNC_SHARE_WARN:
+        return Finding(SYNC_SHARE, "warn", evidence, summary, remedy)
+    return Finding(SYNC_SHARE, "ok", evidence, summary)
 
 
 # -- 5. staleness -----------------------------------------------------------------------------------
@@ -502,7 +512,7 @@ def attribute_causes(findings: list[Finding]) -> list[Finding]:
     rollout_causes = [c for c in ROLLOUT_SIDE_CAUSES if c in problems]
     out = []
     for f in findings:
-        if f.check == BUFFER_DEPTH and f.status == "problem" and f.symptom == "starved" and rollout_causes:
+        if f.check == BUFFER_DEPTH and f.status != "ok" and f.symptom == "starved" and rollout_causes:
             f = replace(f, status="warn", verdict=f"{f.verdict} (caused by {', '.join(rollout_causes)})",
                         remedy=f"fix {', '.join(rollout_causes)} first")
         elif f.check == STALENESS and f.status == "problem" and f.symptom == "buffer_wait" and BUFFER_DEPTH in problems:

@@ -231,6 +231,9 @@ class PipelineMetrics:
         self.sync_wall_share = Gauge("rlpipe_sync_wall_share",
                                      "Fraction of the run's wall time during which a weight sync ran", ["run"],
                                      registry=r)
+        self.sync_paused_share = Gauge("rlpipe_sync_paused_share",
+                                       "Fraction of the servers' time paused for weight syncs (no generation)",
+                                       ["run"], registry=r)
         # weights
         self.sync_duration = Histogram("rlpipe_sync_duration_seconds", "Weight sync time per phase",
                                        ["run", "server", "phase"], buckets=SYNC_BUCKETS, registry=r)
@@ -331,7 +334,7 @@ class PipelineMetrics:
         from observe import queries  # SQL only; imported here so metrics alone stays light
 
         gauges = (self.buffer_groups, self.buffer_trajectories, self.buffer_stale_groups,
-                  self.grader_time_share, self.sync_wall_share, self.server_version_lag)
+                  self.grader_time_share, self.sync_wall_share, self.sync_paused_share, self.server_version_lag)
         for gauge in gauges:
             gauge.clear()  # finished runs disappear instead of freezing at their last value
         for run in queries.running_runs(s):
@@ -345,6 +348,7 @@ class PipelineMetrics:
             sync = queries.sync_share(s, run)
             if sync is not None:
                 self.sync_wall_share.labels(run).set(sync.share)
+                self.sync_paused_share.labels(run).set(sync.paused_share)
             for lag in queries.version_lag(s, run):
                 if lag.lag is not None:
                     self.server_version_lag.labels(run, lag.server).set(lag.lag)

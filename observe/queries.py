@@ -396,13 +396,23 @@ def grader_time_share(s: Session, run_id: str) -> float | None:
 @dataclass(frozen=True)
 class SyncShare:
     sync_s: float
-    """Seconds during which at least one server was syncing."""
+    """Seconds during which at least one server was syncing (download, pause, reload, verify)."""
     wall_s: float
     n_syncs: int
+    paused_server_s: float
+    """Seconds servers spent paused for syncs, summed over servers: the generation time lost.
+    Downloads and verification run while the server still serves."""
+    n_servers: int
 
     @property
     def share(self) -> float:
         return min(self.sync_s / self.wall_s, 1.0) if self.wall_s > 0 else 0.0
+
+    @property
+    def paused_share(self) -> float:
+        """Share of the servers' wall time during which they could not generate."""
+        capacity = self.wall_s * max(self.n_servers, 1)
+        return min(self.paused_server_s / capacity, 1.0) if capacity > 0 else 0.0
 
 
 def sync_share(s: Session, run_id: str) -> SyncShare | None:
@@ -411,7 +421,9 @@ def sync_share(s: Session, run_id: str) -> SyncShare | None:
     if not islands:
         return None
     seconds = sum((t1 - t0).total_seconds() for _, t0, t1, _ in islands)
-    return SyncShare(seconds, run_window(s, run_id).wall_s, sum(n for *_, n in islands))
+    [(paused, servers)] = _rows(
+        s, "select coalesce(sum(pause_s), 0), count(distinct server) from sync_events where run_id = :run", run=run_id)
+    return SyncShare(seconds, run_window(s, run_id).wall_s, sum(n for *_, n in islands), float(paused), servers)
 
 
 # -- weight syncs and versions ----------------------------------------------------------------------

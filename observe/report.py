@@ -155,6 +155,7 @@ def key_numbers(d: ReportData) -> list[tuple[str, str]]:
         ("buffer at step start (mean groups)", f"{statistics.fmean(backlog):.1f}" if backlog else "-"),
         ("grader share of busy time", f"{d.grader_share:.1%}" if d.grader_share is not None else "-"),
         ("sync share of wall time", f"{d.sync.share:.1%} ({d.sync.n_syncs} syncs)" if d.sync else "-"),
+        ("servers paused for syncs", f"{d.sync.paused_share:.1%} of their time" if d.sync else "-"),
         ("failures", str(sum(f.failures for f in d.failures))),
     ]
     rows += [(f"{box} busy / idle", f"{u.busy_fraction:.0%} / {u.idle_fraction:.0%}")

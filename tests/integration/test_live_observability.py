@@ -32,7 +32,7 @@ RECORDED = {
     "rlpipe_box_busy_seconds": "rollout",
 }
 EVERYWHERE = ("rlpipe_box_busy_fraction", "rlpipe_buffer_groups", "rlpipe_grader_time_share",
-              "rlpipe_sync_wall_share", "rlpipe_server_version_lag", "rlpipe_failures")
+              "rlpipe_sync_wall_share", "rlpipe_sync_paused_share", "rlpipe_server_version_lag", "rlpipe_failures")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -235,7 +235,7 @@ def insert_sim(s: Session, sim: Sim) -> None:
     s.execute(sa.insert(SyncEvent), [
         {"run_id": run, "version": x["version"], "server": x["server"], "bytes": 1000,
          "status": "rolled_back" if x["version"] in p.rejected_syncs and x["server"] == p.servers[-1] else "ok",
-         "download_s": 0.1 * p.sync_s, "pause_s": 0.1 * p.sync_s, "reload_s": 0.6 * p.sync_s,
+         "download_s": 0.1 * p.sync_s, "pause_s": 0.7 * p.sync_s, "reload_s": 0.6 * p.sync_s,
          "verify_s": 0.2 * p.sync_s, "total_s": p.sync_s, "probe_max_abs_diff": 1e-3,
          "started_at": at(x["t0"]), "finished_at": at(x["t1"])} for x in sim.syncs])
     s.execute(sa.insert(ActivitySpan), [
@@ -401,6 +401,7 @@ def test_gauges_refresh_from_postgres(migrated_db, runs) -> None:  # type: ignor
     assert gauge("rlpipe_grader_time_share", {"run": runs["slow-grader"]}) >= doctor.GRADER_SHARE_PROBLEM
     assert gauge("rlpipe_grader_time_share", {"run": runs["healthy"]}) < doctor.GRADER_SHARE_WARN
     assert gauge("rlpipe_sync_wall_share", {"run": runs["costly-sync"]}) >= doctor.SYNC_SHARE_PROBLEM
+    assert gauge("rlpipe_sync_paused_share", {"run": runs["costly-sync"]}) >= doctor.SYNC_SHARE_PROBLEM
     assert gauge("rlpipe_buffer_groups", {"run": runs["healthy"]}) == 0  # every group was consumed
     assert gauge("rlpipe_server_version_lag", {"run": runs["healthy"], "server": "1"}) == 0
     assert gauge("rlpipe_server_version_lag", {"run": runs["rejected-sync"], "server": "1"}) == 0  # v8 fixed it
