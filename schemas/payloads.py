@@ -73,6 +73,8 @@ class RunState:
     evals: list[EvalSummary] = field(default_factory=list)
     last_group_failure: str | None = None
     """Why the latest failed or dropped group ended so (e.g. the inference server is unreachable)."""
+    unavailable_servers: list[str] = field(default_factory=list)
+    """Servers their sidecar reported down or holding unverified weights: no group goes to them."""
 
 
 @dataclass
@@ -99,6 +101,17 @@ class RunStatus:
     last_step: StepSummary | None
     evals: list[EvalSummary] = field(default_factory=list)
     last_group_failure: str | None = None
+    unavailable_servers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ServerState:
+    """A sync sidecar's report on its inference server (the `server_state` signal)."""
+
+    server: str
+    version: int | None
+    """The published version the server verifiably holds again; None: it is down or holds
+    unverified weights (a restart), so no group may be sent to it."""
 
 
 @dataclass

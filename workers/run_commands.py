@@ -115,6 +115,8 @@ def status_table(status: RunStatus) -> Table:
                             f"trained, {status.groups_dropped} dropped, {status.groups_failed} failed")
     if status.last_group_failure is not None:
         table.add_row("last failure", status.last_group_failure)
+    if status.unavailable_servers:
+        table.add_row("unavailable servers", ", ".join(status.unavailable_servers) + " (no groups routed to them)")
     if last is not None:
         table.add_row("last step", f"#{last.step}: reward {last.reward_mean:.3f}, loss {last.loss:.4f}, "
                                    f"staleness ≤ {last.staleness_max}, {last.n_tokens} tokens, {last.duration_s:.1f}s")

@@ -19,17 +19,15 @@ from temporalio.worker import Worker
 from activities.sync import SyncActivities
 from infra.inference import SERVED_MODEL_NAME
 from infra.settings import load_settings
-from schemas.payloads import sync_queue
+from schemas.payloads import ServerState, sync_queue
 from storage.db import Database
 from storage.object_store import ObjectStore
 from storage.syncs import run_workflow_id
 from weights.sidecar import Sidecar, StateListener
 from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
+from workflows.training_run import SERVER_STATE_SIGNAL
 
 SHARED_CHECKPOINTS_ENV = "RLPIPE_SHARED_CHECKPOINTS"
-SERVER_STATE_SIGNAL = "server_state"
-"""Signal to the TrainingRun workflow: {"server": id, "version": int | None} (None: do not route
-rollouts to it; a version: it verifiably holds that one again)."""
 
 
 async def run_sidecar_worker(server: str) -> None:
@@ -62,6 +60,6 @@ def _signal_run(client: Client, db: Database, server: str) -> StateListener:
                 return run_workflow_id(s, run_id)
 
         handle = client.get_workflow_handle(await asyncio.to_thread(workflow_id))
-        await handle.signal(SERVER_STATE_SIGNAL, {"server": server, "version": version})
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState(server, version))
 
     return signal

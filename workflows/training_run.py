@@ -20,7 +20,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey, WorkflowIDReusePolicy
-from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         RunStatus,
         RunStatusUpdate,
         ScheduleUpdate,
+        ServerState,
         StepSummary,
         SyncInput,
         SyncResult,
@@ -59,6 +60,7 @@ MODE = SearchAttributeKey.for_keyword("Mode")
 STEP = SearchAttributeKey.for_int("Step")
 POLICY_VERSION = SearchAttributeKey.for_int("PolicyVersion")
 PHASE = SearchAttributeKey.for_keyword("Phase")
+SERVER_STATE_SIGNAL = "server_state"
 
 
 @workflow.defn
@@ -93,12 +95,14 @@ class TrainingRunWorkflow:
                 await self._train_step()
             await self._stop_launcher(launcher)
             await self._await_sync()
-        except (asyncio.CancelledError, ActivityError) as err:
-            # a cancel reaches `run` as CancelledError, or as ActivityError while it awaits an activity
-            if not is_cancelled_exception(err):
-                raise
+        except (asyncio.CancelledError, FailureError) as err:
+            # a cancel reaches `run` as CancelledError, or as ActivityError while it awaits an activity;
+            # any other FailureError fails the run: Postgres then says why, as the workflow's failure does
             self.stopping = True
-            await self._set_status("cancelled", "cancelled by user")
+            if is_cancelled_exception(err):
+                await self._set_status("cancelled", "cancelled by user")
+            else:
+                await self._set_status("failed", _describe(err))
             raise
         self._set_phase("completed")
         await self._set_status("completed", None)
@@ -193,6 +197,24 @@ class TrainingRunWorkflow:
         if summary.status != "completed":  # the status query says why, e.g. a server that is down
             s.last_group_failure = f"group {summary.group_index} {summary.status}: {summary.reason}"
 
+    @workflow.signal(name=SERVER_STATE_SIGNAL)
+    def server_state(self, report: ServerState) -> None:
+        """A sidecar saw its server go down or come back: route groups only to servers that
+        verifiably hold a published version."""
+        s = self.state
+        if report.server not in s.servers:
+            return  # before the run registered its servers, or a server it does not use
+        if report.version is None:
+            s.server_versions.pop(report.server, None)
+            if report.server not in s.unavailable_servers:
+                s.unavailable_servers.append(report.server)
+            return
+        if report.server in s.unavailable_servers:
+            s.unavailable_servers.remove(report.server)
+        if report.version < len(s.version_steps):
+            s.server_versions[report.server] = report.version
+        # else: a version whose train step this workflow has not heard of yet; its sync follows
+
     def _is_fresh(self, group: GroupSummary, step: int) -> bool:
         """Would `group` be within the staleness budget if trained on at `step`?"""
         s = self.state
@@ -240,6 +262,8 @@ class TrainingRunWorkflow:
                                    strict=True):
             if isinstance(outcome, SyncResult) and outcome.status == "ok":
                 self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
+                if server in self.state.unavailable_servers:
+                    self.state.unavailable_servers.remove(server)
             else:
                 why = outcome.error if isinstance(outcome, SyncResult) else _describe(outcome)
                 await workflow.execute_activity(
@@ -300,7 +324,8 @@ class TrainingRunWorkflow:
                          groups_consumed=s.groups_consumed, groups_dropped=s.groups_dropped,
                          groups_failed=s.groups_failed, paused=s.paused, pause_reason=s.pause_reason,
                          sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
-                         evals=list(s.evals), last_group_failure=s.last_group_failure)
+                         evals=list(s.evals), last_group_failure=s.last_group_failure,
+                         unavailable_servers=list(s.unavailable_servers))
 
     @workflow.update
     async def pause(self, request: PauseRequest) -> RunStatus:

@@ -281,6 +281,8 @@ async def test_missing_model_fails_the_run_at_once(
     assert f"model.path '{tmp_path / 'no-model'}'" in str(cause) and "no such directory" in str(cause)
     failures = rows(migrated_db, "select error_type, attempt from failures where run_id = :r", r=cfg.name)
     assert [(f.error_type, f.attempt) for f in failures] == [("ConfigError", 1)], "retried in vain"
+    [run] = rows(migrated_db, "select status, status_reason from runs where id = :r", r=cfg.name)
+    assert run.status == "failed" and "no such directory" in run.status_reason, run
     assert stored_counts(migrated_db, cfg.name)["policy_versions"] == 0
     assert all(record.is_running() for record in pipeline_workers.table.load().values())
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from schemas.config import RunConfig
 from schemas.payloads import (
@@ -33,6 +34,7 @@ from schemas.payloads import (
     ToolInput,
     ToolResult,
     TrainStepInput,
+    sync_queue,
 )
 
 
@@ -49,6 +51,10 @@ class FakeBooks:
     events: list[tuple[float, str, int]] = field(default_factory=list)  # (time, kind, index)
     statuses: list[str] = field(default_factory=list)
     failures: list[FailureRecord] = field(default_factory=list)
+    down: set[str] = field(default_factory=set)
+    """Servers whose syncs fail (a server that is down)."""
+    generated_on: list[str] = field(default_factory=list)
+    """The server of every generate call, in order."""
 
     def log(self, kind: str, index: int) -> None:
         self.events.append((time.monotonic(), kind, index))
@@ -66,11 +72,14 @@ class FakeBooks:
 
         @activity.defn(name="sync_weights")
         async def sync_weights(inp: SyncInput) -> SyncResult:
+            server = next(s for s in books.servers if sync_queue(s) == activity.info().task_queue)
+            if server in books.down:
+                raise ApplicationError(f"server {server} is unreachable", non_retryable=True)
             books.log("sync_start", inp.version)
             await asyncio.sleep(0.02)
-            books.server_version["0"] = inp.version
+            books.server_version[server] = inp.version
             books.log("sync_end", inp.version)
-            return SyncResult("0", inp.version, "ok", 0.02)
+            return SyncResult(server, inp.version, "ok", 0.02)
 
         @activity.defn(name="start_group")
         async def start_group(inp: StartGroupInput) -> StartGroupResult:
@@ -82,6 +91,7 @@ class FakeBooks:
 
         @activity.defn(name="generate")
         async def generate(inp: GenerateInput) -> GenerateResult:
+            books.generated_on.append(inp.server)
             await asyncio.sleep(books.generate_delay_s)
             calls = 1 if inp.turn_index < books.tool_turns else 0
             return GenerateResult(n_tool_calls=calls, done=calls == 0, n_tokens=3, version=0, finish_reason="stop")

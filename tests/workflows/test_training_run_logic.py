@@ -22,13 +22,14 @@ from schemas.payloads import (
     PauseRequest,
     RunResult,
     ScheduleUpdate,
+    ServerState,
     sync_queue,
 )
 from tests.workflows.fakes import FakeBooks
 from workers.common import workflow_runner
 from workers.run_commands import start_run
 from workflows.rollout_group import RolloutGroupWorkflow
-from workflows.training_run import TrainingRunWorkflow
+from workflows.training_run import SERVER_STATE_SIGNAL, TrainingRunWorkflow
 
 RESULT_TIMEOUT_S = 120
 pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("clean_workflows")]
@@ -36,7 +37,8 @@ pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("clean_workflows")]
 
 @asynccontextmanager
 async def fake_pipeline(client: Client, books: FakeBooks) -> AsyncIterator[None]:
-    queues = [WORKFLOW_QUEUE, ROLLOUT_QUEUE, SANDBOX_QUEUE, GRADER_QUEUE, TRAINER_QUEUE, sync_queue("0")]
+    queues = [WORKFLOW_QUEUE, ROLLOUT_QUEUE, SANDBOX_QUEUE, GRADER_QUEUE, TRAINER_QUEUE,
+              *(sync_queue(server) for server in books.servers)]
     workers = [Worker(client, task_queue=q, activities=books.activities(),
                       workflows=[TrainingRunWorkflow, RolloutGroupWorkflow] if q == WORKFLOW_QUEUE else [],
                       workflow_runner=workflow_runner()) for q in queues]
@@ -136,6 +138,50 @@ async def test_pause_stops_new_groups_and_resume_finishes(temporal_client: Clien
         await handle.execute_update(TrainingRunWorkflow.resume)
         result = await finished(handle)
     assert result.steps == 3 and "paused" in books.statuses
+
+
+async def paused_with_both_servers(client: Client, cfg: RunConfig, books: FakeBooks) -> WorkflowHandle:
+    """The run started, paused, the base policy on both servers and no group in flight; what
+    the servers generated so far forgotten."""
+    handle = await start_run(client, cfg)
+    await handle.execute_update(TrainingRunWorkflow.pause, PauseRequest("waiting for the sidecar's report"))
+    while True:
+        status = await handle.query(TrainingRunWorkflow.status)
+        if status.server_versions == {"0": 0, "1": 0} and status.in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    books.generated_on.clear()
+    return handle
+
+
+async def test_a_server_reported_down_gets_no_groups(temporal_client: Client) -> None:
+    books = FakeBooks(servers=["0", "1"])
+    cfg = config(steps=3)
+    async with fake_pipeline(temporal_client, books):
+        handle = await paused_with_both_servers(temporal_client, cfg, books)
+        books.down.add("1")
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState("1", None))
+        status = await handle.query(TrainingRunWorkflow.status)
+        assert status.unavailable_servers == ["1"] and status.server_versions == {"0": 0}
+        await handle.execute_update(TrainingRunWorkflow.resume)
+        result = await finished(handle)
+    assert result.steps == 3
+    assert set(books.generated_on) == {"0"}, "a group went to the server reported down"
+    assert any(f.message.startswith("server 1 did not take version 1") for f in books.failures)
+
+
+async def test_a_server_reported_back_takes_groups_again(temporal_client: Client) -> None:
+    books = FakeBooks(servers=["0", "1"])
+    cfg = config(steps=3)
+    async with fake_pipeline(temporal_client, books):
+        handle = await paused_with_both_servers(temporal_client, cfg, books)
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState("1", None))
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState("1", 0))  # restored and verified
+        status = await handle.query(TrainingRunWorkflow.status)
+        assert status.unavailable_servers == [] and status.server_versions == {"0": 0, "1": 0}
+        await handle.execute_update(TrainingRunWorkflow.resume)
+        await finished(handle)
+    assert set(books.generated_on) == {"0", "1"}
 
 
 async def test_schedule_update_is_validated(temporal_client: Client) -> None:
