@@ -6,8 +6,11 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# TRL's own environment for the peer comparison (benchmarks/trl_grpo.py): TRL brings its own ranges
+TRL_VENV  := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
 
-.PHONY: demo test bench venv clean stack-down
+.PHONY: demo test bench venv bench-trl-venv clean stack-down
 
 venv: $(STAMP)
 
@@ -23,16 +26,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+bench-trl-venv: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	# torch first and exactly (the CPU build on this disk); the constraint keeps TRL's deps from moving it
+	$(TRL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	echo "torch==2.13.0" > $(TRL_VENV)/constraints.txt
+	# no vLLM: TRL generates with transformers (use_vllm=False)
+	$(TRL_VENV)/bin/python -m pip install --quiet -c $(TRL_VENV)/constraints.txt trl==1.16.0 \
+		transformers==5.19.0 accelerate==1.16.0 datasets==5.2.0
+	touch $(TRL_STAMP)
+
 test: venv
 	$(BIN)/python -m pytest
 
 # Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md.
-# async_vs_sync also writes trainer_efficiency.json from its sync runs. Under 30 min on 2 cores.
-bench: venv
+# async_vs_sync also writes trainer_efficiency.json from its sync runs; trl_grpo runs TRL in
+# .venv-trl beside rlpipe's own runs. Under 30 min on 2 cores.
+bench: venv $(TRL_STAMP)
 	$(BIN)/python -m benchmarks.async_vs_sync
 	$(BIN)/python -m benchmarks.orchestration
 	$(BIN)/python -m benchmarks.weight_sync
 	$(BIN)/python -m benchmarks.graders
+	$(BIN)/python -m benchmarks.trl_grpo
 	$(BIN)/python -m benchmarks.report
 
 demo: venv
