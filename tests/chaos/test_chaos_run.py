@@ -31,8 +31,9 @@ SEED = int(os.environ.get("RLPIPE_CHAOS_SEED", "9"))
 async def test_run_survives_every_kind_of_kill_and_restart(
         stack: Stack, pipeline_workers, temporal_client: Client, migrated_db: Database,  # type: ignore[no-untyped-def]
         object_store: ObjectStore, tiny_model: Path) -> None:
-    # a slow tool keeps groups in flight between turns, so kills land mid-group
-    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=4,
+    # a slow tool keeps groups in flight between turns, so kills land mid-group; 6 steps leave room
+    # for all 9 disruptions, each waiting for the run to move on (4 were sometimes done first)
+    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=6,
                       rollout={"tool_latency": {"kind": "constant", "seconds": 1.0}})
     console = Console(width=160)
     # SIGKILL for the servers too: harsher than their ordinary stop, and it keeps the test short
