@@ -100,11 +100,67 @@ def orchestration_section(d: dict[str, Any]) -> str:
 
 def weight_sync_section(d: dict[str, Any]) -> str:
     rows = [[name, f"{m['bytes'] / 1e6:.1f}", fmt(m["upload_s"], 3, " s"), fmt(m["download_s"], 3, " s"),
-             fmt(m["upload_plus_download_s"], 3, " s"), fmt(m["raw_copy_s"], 3, " s"), fmt(m["ratio_to_raw_copy"], 1, "×"),
-             fmt(m["transfer_mb_per_s"], 0), fmt(m["raw_copy_mb_per_s"], 0)]
+             fmt(m["upload_plus_download_s"], 3, " s"), fmt(m["raw_copy_s"], 3, " s"), fmt(m.get("raw_copy_cold_s"), 3, " s"),
+             fmt(m["ratio_to_raw_copy"], 1, "×"), fmt(m.get("ratio_to_cold_copy"), 1, "×"), fmt(m["transfer_mb_per_s"], 0)]
             for name, m in d["models"].items()]
-    return "\n".join([header(d), table(["model", "MB", "upload (S3, sha256)", "download (verified)", "up + down",
-                                       "raw local copy", "ratio", "transfer MB/s", "raw copy MB/s"], rows)])
+    out = [header(d), "**Checkpoint transfer** (weights/checkpoints.py on a private SeaweedFS: content-addressed "
+           "upload with sha256, download hashed as it streams) against a copy of the same files on this disk: "
+           "hot = source in the page cache, cold = source evicted from this VM's page cache first (the VM's host "
+           "may still cache it); no copy is fsynced. Repeats alternate between the models.\n",
+           table(["model", "MB", "upload", "download", "up + down", "copy, hot", "copy, cold", "ratio to hot",
+                  "ratio to cold", "transfer MB/s"], rows)]
+    runs = load("async_vs_sync")
+    if d.get("server"):
+        out += [server_sync_table(d["server"], runs)]
+    if runs:
+        out += [sync_interval_table(runs)]
+    return "\n".join(out)
+
+
+def server_sync_table(server: dict[str, Any], runs: dict[str, Any] | None) -> str:
+    """SmolLM2 syncs into a real server, phase by phase, with the tiny model's from the pipeline runs."""
+    rows = []
+    for path, p in server["paths"].items():
+        rows.append([f"SmolLM2, {path}", f"{p['n_ok']}/{p['n']}",
+                     *(fmt(p.get(k), 3, " s") for k in ("upload_s", "download_s", "pause_s", "reload_s", "verify_s",
+                                                          "total_s", "end_to_end_s")),
+                     fmt(p.get("end_to_end_over_fastest_copy"), 1, "×")])
+    syncs = [s for measured in runs["raw"].values() for run in measured for s in run["syncs"]] if runs else []
+    if syncs:
+        rows.append(["tiny, pipeline runs of section 1", f"{len(syncs)}", "–",
+                     *(summarize([s[k] for s in syncs if s[k] is not None]).fmt(3, " s")
+                       for k in ("download_s", "pause_s", "reload_s", "verify_s", "total_s")), "–", "–"])
+    floors = server["floors_s"]
+    return (f"\n**Syncs into a real vLLM server** ({server['model']}, {server['bytes'] / 1e6:.1f} MB; the server took "
+            f"{server['start_s']:.0f} s to start). Each sync publishes a new version the trainer's way (S3 upload, "
+            "version row with the probe) and the sidecar (weights.sidecar.Sidecar.sync) loads it: download (or, on a "
+            "shared filesystem, sha256 of the trainer's file in place), pause window = pause → reload → label → "
+            "prefix-cache reset → resume, verify = probe logprobs + greedy continuation while serving. Versions "
+            "alternate between two perturbed copies of the weights; the server is idle (a 'wait' pause under load adds "
+            "the longest generation in flight). Publish → verified = upload + sidecar total, against the floor: the "
+            f"fastest copy of the same bytes measured above ({floors.get('fastest_copy', floors['raw_copy']):.3f} s; "
+            f"medians: hot {floors['raw_copy']:.3f} s, cold {floors['cold_copy']:.3f} s).\n\n"
+            + table(["sync", "ok", "upload", "download", "pause window", "reload", "verify", "sidecar total",
+                     "publish → verified", "vs the floor"], rows))
+
+
+def sync_interval_table(runs: dict[str, Any]) -> str:
+    """Sync share of wall time by sync interval, from the async-vs-sync runs at the headline setting:
+    `sync share` = some server syncing (any phase), `paused share` = the server paused (generation lost)."""
+    rows = []
+    for variant, h in runs["results"]["headline_variants"].items():
+        measured = runs["raw"][f"{HEADLINE}|{variant}"]
+        paused = [sum(s["pause_s"] or 0.0 for s in r["syncs"]) / r["wall_s"] for r in measured]
+        rows.append([variant, str(h["max_staleness"]), str(h["sync_interval"]),
+                     summarize([len(r["syncs"]) for r in measured]).fmt(0), fmt(h["wall_s"], 1, " s"),
+                     fmt(h["sync_share"], 3), summarize(paused).fmt(3)])
+    return (f"\n**Sync share of wall time by sync interval** (tiny model, the async-vs-sync runs at {HEADLINE}, "
+            "section 1): sync share = wall time with a sync in progress on the server (download, pause, reload, "
+            "verify; observe/queries.sync_share); paused share = the server's paused seconds (sync_events.pause_s) "
+            "over the run's wall time, the generation time syncs cost; downloads and verification run while the "
+            "server serves.\n\n"
+            + table(["variant", "max_staleness", "sync interval", "syncs per run", "wall", "sync share",
+                     "paused share"], rows))
 
 
 def trainer_section(d: dict[str, Any]) -> str:
@@ -168,7 +224,7 @@ def trl_section(d: dict[str, Any]) -> str:
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ("1. Async vs the synchronous baseline", "async_vs_sync", async_section),
     ("2. Orchestration overhead: Temporal vs bare asyncio", "orchestration", orchestration_section),
-    ("3. Weight sync: checkpoint transfer vs the raw byte copy", "weight_sync", weight_sync_section),
+    ("3. Weight sync end to end vs the raw byte copy", "weight_sync", weight_sync_section),
     ("4. Trainer efficiency", "trainer_efficiency", trainer_section),
     ("5. Grader throughput", "graders", graders_section),
     ("6. Peer comparison: TRL GRPOTrainer", "trl_grpo", trl_section),

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
+from boto3.s3.transfer import TransferConfig
 
+import storage.object_store as object_store_module
 from storage.object_store import DigestMismatch, ObjectStore, ObjectStoreError, sha256_file
 
 pytestmark = pytest.mark.stack
@@ -27,7 +30,7 @@ def random_file(path: Path, size: int) -> str:
 
 
 def test_large_object_round_trip_verifies_sha256(object_store: ObjectStore, tmp_path: Path) -> None:
-    size = 64 * 1024 * 1024 + 12345  # > 64 MiB: a multipart upload of 9 parts
+    size = 64 * 1024 * 1024 + 12345  # > 64 MiB: a multipart upload (and download) of 5 parts
     source = tmp_path / "big.bin"
     digest = random_file(source, size)
     key = f"test/{uuid.uuid4()}/big.bin"
@@ -41,6 +44,27 @@ def test_large_object_round_trip_verifies_sha256(object_store: ObjectStore, tmp_
     assert got.sha256 == digest and sha256_file(target) == digest and target.stat().st_size == size
     object_store.delete(key)
     assert not object_store.exists(key)
+
+
+def test_a_download_in_many_ranges_is_hashed_in_order_whatever_the_environment(
+        endpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """get_file hashes the ranges as boto3 writes them; with more ranges than s3transfer buffers
+    (10), and response checksums switched off by the environment, which deadlocked it once."""
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    monkeypatch.setattr(object_store_module, "TRANSFER",
+                        TransferConfig(multipart_chunksize=1024 * 1024, multipart_threshold=1024 * 1024))
+    store = ObjectStore.from_endpoints(endpoints)
+    data = os.urandom(12 * 1024 * 1024 + 7)  # 13 ranges of 1 MiB
+    key = f"test/{uuid.uuid4()}/ranges.bin"
+    store.put_bytes(key, data)
+    result: list[str | None] = []
+    worker = threading.Thread(target=lambda: result.append(store.get_file(key, tmp_path / "r.bin").sha256),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the download hung"
+    assert result == [hashlib.sha256(data).hexdigest()] and (tmp_path / "r.bin").read_bytes() == data
+    store.delete(key)
 
 
 def test_wrong_digest_is_refused_and_leaves_no_file(object_store: ObjectStore, tmp_path: Path) -> None:
