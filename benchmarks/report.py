@@ -164,16 +164,45 @@ def sync_interval_table(runs: dict[str, Any]) -> str:
 
 
 def trainer_section(d: dict[str, Any]) -> str:
-    rows = [["trainer worker step, claim … commit incl. publish (worker process, recorded)",
-             fmt(d["trainer_tokens_per_s"], 0), fmt(d["trainer_over_bare"], 2)],
-            ["trainer engine path: plan_step + LocalEngine.step (this process)", fmt(d["engine_tokens_per_s"], 0),
-             fmt(d["engine_over_bare"], 2)],
-            ["bare PyTorch loop, same batch (this process, alternating with the engine)",
-             fmt(d["bare_tokens_per_s"], 0), "1"]]
-    return "\n".join([header(d), f"{len(d['steps'])} steps of the sync-mode runs, {d['repeats']} alternating repeats "
-                      f"each; tokens = prompt + completion tokens of the batch; publish share of the worker's "
-                      f"step: {fmt(d['publish_share'], 2)}.\n",
-                      table(["what", "tokens/s", "speed relative to the bare loop"], rows)])
+    """The in-process profile of the trainer's step, publishing and not, against the bare loop;
+    then the Temporal worker's recorded steps when async_vs_sync left them."""
+    parts, speed = [header(d)], ["what", "tokens/s", "speed relative to the bare loop"]
+    if "phases" in d:   # the profile (this module alone); async_vs_sync may have written only "worker"
+        names = {"claim_s": "claim the batch (Postgres)", "read_s": "read the claimed trajectories (Postgres)",
+                 "plan_s": "advantages, denominators, collate (plan_step)",
+                 "engine_s": "engine step: forward, loss + metrics, backward, clip, AdamW",
+                 "save_s": "publish: safetensors checkpoint to disk",
+                 "upload_s": "publish: checkpoint files + manifest to S3",
+                 "train_state_s": "publish: optimizer state (torch.save + S3)",
+                 "probe_s": "publish: probe (teacher-forced logprobs + 16 greedy forwards)",
+                 "commit_and_rest_s": "committed check, batch metrics, commit, the rest", "wall_s": "whole step"}
+        ratios = [["trainer step, publishing (a sync step): claim … commit", fmt(d["trainer_tokens_per_s"], 0),
+                   fmt(d["trainer_over_bare"], 2)],
+                  ["trainer step, not publishing (sync.interval > 1)", fmt(d["trainer_no_publish_tokens_per_s"], 0),
+                   fmt(d["trainer_over_bare_no_publish"], 2)],
+                  ["its engine step alone (LocalEngine.step)", fmt(d["engine_tokens_per_s"], 0),
+                   fmt(d["engine_over_bare"], 2)],
+                  ["bare PyTorch loop, same batch, right after the step", fmt(d["bare_tokens_per_s"], 0), "1"]]
+        ph, shape = d["phases"], d["shape"]
+        phases = [[names[k], f"{ph['publish'][k] * 1000:.1f}", f"{ph['no_publish'][k] * 1000:.1f}"] for k in names]
+        parts += [f"`Trainer.train_step` in the benchmark's process on a private Postgres + SeaweedFS, the tiny "
+                  f"model, {shape['groups_per_step']} groups × {shape['group_size']} samples (~1k tokens) per step; "
+                  f"{len(d['steps'])} steps, alternately publishing and not, each followed by {d['repeats']} "
+                  f"bare-loop steps on its batch. Publish share of a publishing step: {fmt(d['publish_share'], 2)}.\n",
+                  table(speed, ratios),
+                  "\nWhere a step's time goes (median ms; the phases are what the trainer records in "
+                  "`train_steps.metrics`, the rest is the wall time less them):\n",
+                  table(["phase", "publishing step (ms)", "step without publish (ms)"], phases)]
+    w = d.get("worker")
+    if w:
+        parts += [f"\nThe Temporal trainer worker's recorded steps (`{w['command']}`, {len(w['steps'])} sync-run "
+                  "steps, all publishing; the worker process shares the 2 cores with vLLM and four other "
+                  "workers):\n",
+                  table(speed, [["worker step, claim … commit (recorded)", fmt(w["trainer_tokens_per_s"], 0),
+                                 fmt(w["trainer_over_bare"], 2)],
+                                ["engine path replayed on the same batches", fmt(w["engine_tokens_per_s"], 0),
+                                 fmt(w["engine_over_bare"], 2)]])]
+    return "\n".join(parts)
 
 
 def graders_section(d: dict[str, Any]) -> str:

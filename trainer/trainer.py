@@ -102,12 +102,13 @@ class Trainer:
             with timed(timings, "restore_s"):
                 restored = self._bring_to(ctx, inp.step - 1, heartbeat)
             with timed(timings, "train_s"):
-                metrics = self._apply(ctx, inp.step)
+                metrics = self._apply(ctx, inp.step, timings)
             heartbeat()
             published = None
             if inp.publish:
                 with timed(timings, "publish_s"):
-                    published = self._publish(ctx, version=inp.policy_version + 1, trained_steps=inp.step)
+                    published = self._publish(ctx, version=inp.policy_version + 1, trained_steps=inp.step,
+                                              timings=timings)
             return self._commit(inp, claim, metrics | restored | timings, started, published)
         except BaseException:
             self.close()  # the engine may be mid-step or past the committed state: the retry restores
@@ -147,21 +148,24 @@ class Trainer:
                                              world_size=cfg.batch.world_size))
         self.run_id, self.applied_step = cfg.name, step
 
-    def _apply(self, ctx: RunContext, step: int) -> dict[str, Any]:
+    def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
         """One optimiser step on the batch `step` claimed; the engine then holds step `step`. Returns
-        the step's metrics: the loss's (rl/step.py) and the batch's (trainer/samples.py)."""
+        the step's metrics: the loss's (rl/step.py) and the batch's (trainer/samples.py); `timings`
+        gets the seconds of reading and planning the batch and of the engine's step."""
         assert self.engine is not None and self.run_id == ctx.config.name and self.applied_step == step - 1
-        cfg = ctx.config
-        with self.db.begin() as s:
+        cfg, timings = ctx.config, {} if timings is None else timings
+        with timed(timings, "read_s"), self.db.begin() as s:
             rows = buffer.claimed_trajectories(s, cfg.name, step)
             version_steps = dict(s.execute(sa.select(PolicyVersion.version, PolicyVersion.trained_steps)
                                            .where(PolicyVersion.run_id == cfg.name)).all())
         samples = to_samples(rows)
         if not samples:
             raise RuntimeError(f"step {step} of run {cfg.name} claimed no completed trajectories")
-        plan = plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch,
-                         pad_token_id=ctx.tokenizer.pad_token_id or 0)
-        metrics = self.engine.step(plan, step_seed(cfg.optim.seed, step))
+        with timed(timings, "plan_s"):
+            plan = plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch,
+                             pad_token_id=ctx.tokenizer.pad_token_id or 0)
+        with timed(timings, "engine_s"):
+            metrics = self.engine.step(plan, step_seed(cfg.optim.seed, step))
         self.applied_step = step
         stale = staleness(samples, step, version_steps)
         return metrics | batch_metrics(samples, plan, stale) | {"staleness": stale}  # per trajectory, for metrics
@@ -185,26 +189,32 @@ class Trainer:
             return torch.load(path, weights_only=True)
 
     # -- publishing and committing ------------------------------------------------------------------
-    def _publish(self, ctx: RunContext, version: int, trained_steps: int) -> tuple[Manifest, dict]:
+    def _publish(self, ctx: RunContext, version: int, trained_steps: int,
+                 timings: dict[str, float] | None = None) -> tuple[Manifest, dict]:
         """Upload the engine's weights as `version` and, after a trained step, its optimizer state
         (for recovery only: never part of the inference checkpoint); returns the manifest and the
-        probe with the trainer's reference logprobs, computed where the weights live."""
+        probe with the trainer's reference logprobs, computed where the weights live. `timings`
+        gets the seconds of each part (the profile of benchmarks/trainer_efficiency.py)."""
         assert self.engine is not None
-        run_id = ctx.config.name
+        run_id, timings = ctx.config.name, {} if timings is None else timings
         with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
             directory = Path(tmp) / "checkpoint"
-            save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
-            manifest = upload_checkpoint(self.store, run_id, version, trained_steps, directory)
+            with timed(timings, "save_s"):
+                save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
+            with timed(timings, "upload_s"):
+                manifest = upload_checkpoint(self.store, run_id, version, trained_steps, directory)
             if trained_steps > 0:
-                state_file = Path(tmp) / "train-state.pt"
-                torch.save(self.engine.optimizer_state_dict(), state_file)
-                self.store.put_file(train_state_key(run_id, trained_steps), state_file)
+                with timed(timings, "train_state_s"):
+                    state_file = Path(tmp) / "train-state.pt"
+                    torch.save(self.engine.optimizer_state_dict(), state_file)
+                    self.store.put_file(train_state_key(run_id, trained_steps), state_file)
             cached = local_version_dir(self.work_dir, run_id, version)
             if not cached.exists():  # kept: restores start from it, a sidecar on this filesystem loads it
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 directory.rename(cached)  # whole or not at all (same filesystem)
-        prompt, scored = probe_ids(ctx.tokenizer)
-        return manifest, self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
+        with timed(timings, "probe_s"):
+            prompt, scored = probe_ids(ctx.tokenizer)
+            return manifest, self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
 
     def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, Any], started: datetime,
                 published: tuple[Manifest, dict] | None) -> StepSummary:

@@ -219,6 +219,10 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     assert_replayed(metrics[2], version=0, steps=1)
     assert_replayed(metrics[4], version=1, steps=1)
     assert all("replayed_steps" not in metrics[s] for s in (1, 3, 5))
+    # every step records its phases (benchmarks/trainer_efficiency.py); only publishing steps the publish's
+    train_phases, publish_phases = {"claim_s", "read_s", "plan_s", "engine_s"}, {"save_s", "upload_s", "probe_s"}
+    assert train_phases | publish_phases | {"train_state_s"} <= metrics[2].keys()
+    assert train_phases <= metrics[3].keys() and not publish_phases & metrics[3].keys()
     # replay read the recorded claims and claimed nothing: every group once, by the same step as before
     assert claimed_steps(migrated_db, cfg.name) == claimed_steps(migrated_db, baseline.name)
     assert claimed_steps(migrated_db, cfg.name) == [1 + g // GROUPS_PER_STEP for g in range(STEPS * GROUPS_PER_STEP)]
