@@ -170,7 +170,8 @@ def profile(db, store, model_dir: Path, steps: int = 24, repeats: int = 3,  # ty
     fill_buffer(db, cfg.name, steps * groups_per_step, group_size)
     model = load_policy(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
-    trainer = Trainer(db, store, RunContexts(db), Path(tempfile.mkdtemp(prefix="rlpipe-bench-trainer-")))
+    work = tempfile.TemporaryDirectory(prefix="rlpipe-bench-trainer-")   # the trainer's checkpoint cache
+    trainer = Trainer(db, store, RunContexts(db), Path(work.name))
     pad = trainer.contexts.get(cfg.name).tokenizer.pad_token_id or 0
     walls, bares, version = {}, {}, 0
     try:
@@ -186,6 +187,7 @@ def profile(db, store, model_dir: Path, steps: int = 24, repeats: int = 3,  # ty
             bares[step] = summarize([timed(lambda: bare_step(model, opt, batch)) for _ in range(repeats)]).median
     finally:
         trainer.close()
+        work.cleanup()
     with db.begin() as s:
         recorded = step_metrics(s, cfg.name)
     rows = [{"step": st.step, "publish": st.published_version is not None, "tokens": st.n_tokens,
