@@ -47,6 +47,7 @@ test: venv
 # .venv-trl beside rlpipe's own runs. Under 30 min on 2 cores.
 bench: venv $(TRL_STAMP)
 	$(BIN)/python -m benchmarks.async_vs_sync
+	$(BIN)/python -m benchmarks.trainer_efficiency
 	$(BIN)/python -m benchmarks.orchestration
 	$(BIN)/python -m benchmarks.weight_sync
 	$(BIN)/python -m benchmarks.graders
