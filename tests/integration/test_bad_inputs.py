@@ -381,7 +381,7 @@ async def test_cancel_during_a_sync_leaves_the_server_serving_a_published_versio
             InferenceClient(inference_servers[0], SERVED_MODEL_NAME) as client:
         label = await until(lambda: published_label(admin), "the server back on a published version")
         served = await asyncio.wait_for(client.complete([5] * 8, max_tokens=2), 120)  # not left paused
-    assert int(label) in published and len(served.token_ids) == 2, (label, published)
+    assert int(label) in published and served.token_ids, (label, published)  # it may stop at EOS
     for version in published:  # the cancelled run's checkpoints and rows stay
         assert rows(migrated_db, "select 1 from policy_versions where run_id = :r and version = :v",
                     r=cfg.name, v=version)
