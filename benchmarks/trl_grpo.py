@@ -8,10 +8,11 @@ configuration:
 
 - TRL: GRPOTrainer as its docs set it up without vLLM: transformers generates, one process, one turn
   per sample (TRL cannot run rlpipe's <calc> tool turn, so a sample that calls the calculator scores 0).
-  The reward is rlpipe's `answer_match` rule reimplemented in a few lines (the first <answer>…</answer>
+  The reward is rlpipe's `answer_match` rule on rlpipe's own answer parser (the first <answer>…</answer>
   must hold exactly the reference integer). It runs in its own virtual environment, .venv-trl
   (`make bench-trl-venv`), because TRL brings its own dependency ranges; this module, run there with
-  `--trl-side`, imports only the standard library, torch, transformers, datasets and trl.
+  `--trl-side`, imports only the standard library, envs/toolcalls.py (stdlib only), torch, transformers,
+  datasets and trl.
 - rlpipe: the tiny-calculator config as shipped (no injected tool latency), async (max_staleness 1)
   and sync, on a private stack of real servers (Temporal, Postgres, SeaweedFS, vLLM, workers).
 
@@ -34,21 +35,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from envs.toolcalls import INTEGER_ANSWER, extract_answer
+
 NAME = "trl_grpo"
 TRL_PYTHON = Path(__file__).resolve().parents[1] / ".venv-trl" / "bin" / "python"
 CONFIG = "tiny-calculator.toml"
-ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
 
 def answer_match(completion: str, reference: str) -> float:
-    """rlpipe's answer_match grader (graders/rules.py), reimplemented: 1.0 if the first
-    <answer>…</answer> holds exactly the reference integer."""
-    start = completion.find(ANSWER_OPEN)
-    end = completion.find(ANSWER_CLOSE, start + len(ANSWER_OPEN))
-    if start < 0 or end < 0:
-        return 0.0
-    answer = completion[start + len(ANSWER_OPEN):end].strip()
-    return float(answer.lstrip("-").isdigit() and int(answer) == int(reference))
+    """rlpipe's answer_match grader (graders/rules.py) on the same answer rule (envs/toolcalls.py,
+    stdlib only, so the TRL venv imports it too): 1.0 if the first <answer>…</answer> holds
+    exactly the reference integer."""
+    answer = extract_answer(completion).answer
+    return float(answer is not None and INTEGER_ANSWER.fullmatch(answer) is not None
+                 and int(answer) == int(reference))
 
 
 def trl_side(spec: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 
 ANSWER_TAG = "answer"
+INTEGER_ANSWER = re.compile(r"[+-]?[0-9]{1,200}")
+"""Plain ASCII integers only; the length cap keeps int() far from Python's digit limit."""
 
 
 @dataclass(frozen=True)

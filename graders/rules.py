@@ -7,16 +7,13 @@ grade details rather than mixed in with wrong answers.
 """
 
 import asyncio
-import re
 
 from envs.base import Executor, Task, check_sandbox
 from envs.code import build_test_program, read_verdict, strip_code_fence
-from envs.toolcalls import extract_answer, to_clean_text
+from envs.toolcalls import INTEGER_ANSWER, extract_answer, to_clean_text
 from graders.base import Grader, GraderDeps, GradeResult
 from schemas.task import GraderConfig
 
-# Plain ASCII integers only; the length cap keeps int() far from Python's digit limit.
-INTEGER_ANSWER = re.compile(r"[+-]?[0-9]{1,200}")
 DETAIL_CHARS = 500  # how much of a bad answer or stderr the details keep
 
 

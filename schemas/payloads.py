@@ -52,7 +52,8 @@ class RunState:
     version_steps: list[int] = field(default_factory=lambda: [0])
     """trained_steps of each published version (index = version)."""
     server_versions: dict[str, int] = field(default_factory=dict)
-    """Version each inference server verifiably holds."""
+    """Version each inference server verifiably holds; a server missing here (never loaded, or its
+    sidecar reported it down) gets no groups."""
     servers: list[str] = field(default_factory=list)
     next_group_index: int = 0
     in_flight: list[int] = field(default_factory=list)
@@ -73,8 +74,6 @@ class RunState:
     evals: list[EvalSummary] = field(default_factory=list)
     last_group_failure: str | None = None
     """Why the latest failed or dropped group ended so (e.g. the inference server is unreachable)."""
-    unavailable_servers: list[str] = field(default_factory=list)
-    """Servers their sidecar reported down or holding unverified weights: no group goes to them."""
 
 
 @dataclass
@@ -102,6 +101,7 @@ class RunStatus:
     evals: list[EvalSummary] = field(default_factory=list)
     last_group_failure: str | None = None
     unavailable_servers: list[str] = field(default_factory=list)
+    """Servers that verifiably hold no published version (down, or restarted): no group goes to them."""
 
 
 @dataclass

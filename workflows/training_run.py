@@ -206,12 +206,7 @@ class TrainingRunWorkflow:
             return  # before the run registered its servers, or a server it does not use
         if report.version is None:
             s.server_versions.pop(report.server, None)
-            if report.server not in s.unavailable_servers:
-                s.unavailable_servers.append(report.server)
-            return
-        if report.server in s.unavailable_servers:
-            s.unavailable_servers.remove(report.server)
-        if report.version < len(s.version_steps):
+        elif report.version < len(s.version_steps):
             s.server_versions[report.server] = report.version
         # else: a version whose train step this workflow has not heard of yet; its sync follows
 
@@ -262,8 +257,6 @@ class TrainingRunWorkflow:
                                    strict=True):
             if isinstance(outcome, SyncResult) and outcome.status == "ok":
                 self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
-                if server in self.state.unavailable_servers:
-                    self.state.unavailable_servers.remove(server)
             else:
                 why = outcome.error if isinstance(outcome, SyncResult) else _describe(outcome)
                 await workflow.execute_activity(
@@ -325,7 +318,7 @@ class TrainingRunWorkflow:
                          groups_failed=s.groups_failed, paused=s.paused, pause_reason=s.pause_reason,
                          sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
                          evals=list(s.evals), last_group_failure=s.last_group_failure,
-                         unavailable_servers=list(s.unavailable_servers))
+                         unavailable_servers=[name for name in s.servers if name not in s.server_versions])
 
     @workflow.update
     async def pause(self, request: PauseRequest) -> RunStatus:
