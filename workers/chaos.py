@@ -85,22 +85,32 @@ class Monkey:
 
     def disrupt(self, d: Disruption) -> None:
         """Take `d.target` down, wait `d.down_s`, bring it back (blocking until it is healthy)."""
-        if d.target in self.workers.status():
-            record = self.workers.table.get(d.target)
+        self.take_down(d.target)
+        time.sleep(d.down_s)
+        self.bring_back(d.target)
+
+    def take_down(self, target: str) -> None:
+        """SIGKILL a worker or an inference server; stop another service (SIGKILL it when hard)."""
+        if target in self.workers.status():
+            record = self.workers.table.get(target)
             if record is not None:
                 kill(record)
-            time.sleep(d.down_s)
-            # no start-up grace wait: a worker that dies again is caught by `revive_crashed`
-            self.workers.up(only=[d.target], progress=lambda msg: None, grace_s=0)
             return
-        svc = self.stack.service(d.target)
+        svc = self.stack.service(target)
         record = self.stack.table.get(svc.name)
         if record is not None and (self.hard or svc.name.startswith("inference-")):
             kill(record)
             self.stack.table.remove(svc.name)
         else:
             self.stack.stop_service(svc, progress=lambda msg: None)
-        time.sleep(d.down_s)
+
+    def bring_back(self, target: str) -> None:
+        """Start what `take_down` stopped, on the same ports (blocking until it is healthy)."""
+        if target in self.workers.status():
+            # no start-up grace wait: a worker that dies again is caught by `revive_crashed`
+            self.workers.up(only=[target], progress=lambda msg: None, grace_s=0)
+            return
+        svc = self.stack.service(target)
         # a killed server's ports can stay unbindable for up to a minute (sockets it left closing,
         # seen with SeaweedFS's S3 port); the service must come back on the same ones
         wait_for(lambda: all(port_holder(self.stack.settings.host, p) is None for p in svc.ports()), PORT_WAIT_S)
