@@ -102,9 +102,10 @@ def smollm2_model() -> Path:
 
 @contextmanager
 def private_stack(inference_model: Path | None = None, workers: bool = False,
-                  only: list[str] | None = None) -> Iterator[Any]:
+                  only: list[str] | None = None, overrides: dict[str, Any] | None = None) -> Iterator[Any]:
     """A stack of real servers on free ports in a temporary directory, migrated, optionally with one
-    vLLM server and the pipeline's workers; always stopped and removed, even on failure."""
+    vLLM server and the pipeline's workers, and with `overrides` of its StackSettings; always
+    stopped and removed, even on failure."""
     from alembic import command
 
     from infra.endpoints import resolve_endpoints
@@ -116,7 +117,7 @@ def private_stack(inference_model: Path | None = None, workers: bool = False,
 
     quiet = lambda msg: None  # noqa: E731
     home = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
-    settings = test_stack_settings(home)
+    settings = test_stack_settings(home).model_copy(update=overrides or {})
     if inference_model is not None:
         settings.inference_servers, settings.inference_model = 1, inference_model
     save_settings(settings)

@@ -8,7 +8,9 @@ loop awaits the same two sleeps. Both keep CONCURRENCY trajectories in flight; t
 by repeat so the machine's noise hits both.
 
 A third driver runs the same workflows with the SDK's sandbox off (UnsandboxedWorkflowRunner) to
-show how much of the overhead is the workflow sandbox (rlpipe's workers keep it on).
+show how much of the overhead is the workflow sandbox (rlpipe's workers keep it on). A fourth runs
+them on a second dev server whose SQLite keeps its default settings (rollback journal, an fsync per
+commit) instead of the stack's WAL without per-commit fsync (StackSettings.temporal_sqlite_pragmas).
 
 Reported: throughput ratio (Temporal / bare), added latency per trajectory (median Temporal − median
 bare), and the highest sustained rate of zero-duration trajectories at high concurrency.
@@ -31,6 +33,7 @@ NAME = "orchestration"
 CONCURRENCY = 8          # trajectories in flight (rlpipe's default max_concurrent_groups)
 DURATIONS = {0.01: 48, 0.1: 48, 1.0: 24}   # trajectory seconds -> trajectories per repeat
 SATURATION = (0.0, 160, 64)                 # duration, trajectories, concurrency of the max-rate test
+TEMPORAL_DRIVERS = ("temporal", "temporal_unsandboxed", "temporal_sqlite_defaults")
 
 
 @dataclass
@@ -84,7 +87,7 @@ async def drive(one: Callable[[], Awaitable[int]], n: int, concurrency: int) -> 
     return time.perf_counter() - t0, latencies
 
 
-async def measure(address: str, namespace: str, repeats: int) -> dict:  # type: ignore[type-arg]
+async def measure(address: str, default_sqlite_address: str, namespace: str, repeats: int) -> dict:  # type: ignore[type-arg]
     from statistics import median
 
     from temporalio.client import Client
@@ -95,11 +98,12 @@ async def measure(address: str, namespace: str, repeats: int) -> dict:  # type: 
     from temporalio.worker import UnsandboxedWorkflowRunner
 
     client = await Client.connect(address, namespace=namespace)
+    default_sqlite_client = await Client.connect(default_sqlite_address, namespace=namespace)
     queue = f"bench-orchestration-{uuid.uuid4().hex[:8]}"
     plain_queue = f"{queue}-unsandboxed"
 
-    def via(task_queue: str) -> Callable[[float], Callable[[], Awaitable[int]]]:
-        return lambda seconds: lambda: client.execute_workflow(
+    def via(on: Client, task_queue: str) -> Callable[[float], Callable[[], Awaitable[int]]]:
+        return lambda seconds: lambda: on.execute_workflow(
             FakeTrajectoryWorkflow.run, TrajectoryInput(seconds), id=f"{task_queue}-{uuid.uuid4().hex}",
             task_queue=task_queue)
 
@@ -107,12 +111,14 @@ async def measure(address: str, namespace: str, repeats: int) -> dict:  # type: 
         return lambda: bare_trajectory(seconds)
 
     raw: dict[str, dict[str, list]] = {}  # type: ignore[type-arg]
-    drivers = {"bare": bare, "temporal": via(queue), "temporal_unsandboxed": via(plain_queue)}
+    drivers = {"bare": bare, "temporal": via(client, queue), "temporal_unsandboxed": via(client, plain_queue),
+               "temporal_sqlite_defaults": via(default_sqlite_client, queue)}
     common = {"workflows": [FakeTrajectoryWorkflow], "activities": [fake_generate, fake_tool],
               "max_concurrent_activities": 256}
     async with Worker(client, task_queue=queue, **common), \
-            Worker(client, task_queue=plain_queue, workflow_runner=UnsandboxedWorkflowRunner(), **common):
-        for warm in ("temporal", "temporal_unsandboxed"):   # workflow sandbox, connections
+            Worker(client, task_queue=plain_queue, workflow_runner=UnsandboxedWorkflowRunner(), **common), \
+            Worker(default_sqlite_client, task_queue=queue, **common):
+        for warm in TEMPORAL_DRIVERS:   # workflow sandbox, connections
             await drive(drivers[warm](0.0), 16, CONCURRENCY)
         cases = [(d, n, CONCURRENCY) for d, n in DURATIONS.items()] + [SATURATION]
         with progress_bar() as bar:
@@ -130,7 +136,7 @@ async def measure(address: str, namespace: str, repeats: int) -> dict:  # type: 
     for seconds, n, conc in [*((d, n, CONCURRENCY) for d, n in DURATIONS.items()), SATURATION]:
         b = raw[f"{seconds}|bare"]
         table[str(seconds)] = {"trajectories": n, "concurrency": conc, "bare_rate": summarize(b["rate"])}
-        for kind in ("temporal", "temporal_unsandboxed"):
+        for kind in TEMPORAL_DRIVERS:
             t = raw[f"{seconds}|{kind}"]
             table[str(seconds)][kind] = {
                 "rate": summarize(t["rate"]),
@@ -150,8 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    with private_stack(only=["temporal"]) as stack:
-        out = asyncio.run(measure(stack.settings.temporal_address, WORKFLOW_LOGIC_NAMESPACE, args.repeats))
+    with private_stack(only=["temporal"]) as stack, \
+            private_stack(only=["temporal"], overrides={"temporal_sqlite_pragmas": []}) as default_sqlite:
+        out = asyncio.run(measure(stack.settings.temporal_address, default_sqlite.settings.temporal_address,
+                                  WORKFLOW_LOGIC_NAMESPACE, args.repeats))
     print(write_result(NAME, {"params": {"concurrency": CONCURRENCY, "repeats": args.repeats,
                                          "calls_per_trajectory": 2}, **out}))
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks.async_vs_sync import HEADLINE
 from benchmarks.common import RESULTS, ROOT, Summary, summarize
+from benchmarks.orchestration import TEMPORAL_DRIVERS
 
 OUT = ROOT / "BENCHMARKS.md"
 FINDINGS = ROOT / "benchmarks" / "findings.md"
@@ -87,13 +88,16 @@ def orchestration_section(d: dict[str, Any]) -> str:
     rows = []
     for seconds, c in d["cases"].items():
         label = f"{float(seconds) * 1000:.0f} ms" if float(seconds) > 0 else "0 (max rate)"
-        for kind in ("temporal", "temporal_unsandboxed"):
+        for kind in TEMPORAL_DRIVERS:
             t = c[kind]
             rows.append([label, f"{c['trajectories']} @ {c['concurrency']}", kind, fmt(c["bare_rate"], 1),
                          fmt(t["rate"], 2), fmt(t["throughput_ratio"], 3), fmt(t["overhead_pct"], 1, " %"),
                          fmt(t["added_latency_ms"], 0, " ms")])
     return "\n".join([header(d), f"Each trajectory = 2 activities (model call, tool call) in one workflow; "
-                      f"{d['params']['repeats']} repeats, drivers alternating.\n",
+                      f"{d['params']['repeats']} repeats, drivers alternating. `temporal`: the stack's dev server "
+                      "(SQLite in WAL mode, no fsync per commit), the workflow sandbox on, as rlpipe runs; "
+                      "`temporal_unsandboxed`: the same server, the sandbox off; `temporal_sqlite_defaults`: a "
+                      "second dev server with SQLite's default journal and an fsync per commit.\n",
                       table(["trajectory", "n @ concurrency", "driver", "bare asyncio traj/s", "Temporal traj/s",
                              "throughput ratio", "overhead", "added latency / traj"], rows)])
 

@@ -50,6 +50,8 @@ class TemporalService(Service):
             "--http-port", str(s.temporal_http_port), "--metrics-port", str(s.temporal_metrics_port),
             "--log-level", "warn",
         ]
+        for pragma in s.temporal_sqlite_pragmas:
+            argv += ["--sqlite-pragma", pragma]
         for namespace in [s.temporal_namespace, *s.temporal_extra_namespaces]:
             argv += ["--namespace", namespace]
         for name, kind in SEARCH_ATTRIBUTES.items():

@@ -50,8 +50,9 @@ def test_stack_lifecycle(tmp_path: Path) -> None:
                     if str(settings.home.resolve()) in " ".join(p.info["cmdline"] or [])
                     and "start-dev" in (p.info["cmdline"] or [])]) == 1
 
-        workflow_id = asyncio.run(start_parked_workflow(settings.temporal_address))
         temporal = stack.service("temporal")
+        assert (temporal.dir / "temporal.db-wal").exists(), "the dev server's SQLite is not in WAL mode"
+        workflow_id = asyncio.run(start_parked_workflow(settings.temporal_address))
         stack.stop_service(temporal, progress=lambda msg: None)
         assert not stack.table.get("temporal")
         stack.start(temporal, progress=lambda msg: None)
@@ -101,5 +102,8 @@ def test_bad_settings_name_the_field(tmp_path: Path) -> None:
         load_settings(config, env={})
     config.write_text("[stack]\npostgres_prot = 5432\n")
     with pytest.raises(SettingsError, match="postgres_prot"):
+        load_settings(config, env={})
+    config.write_text('[stack]\ntemporal_sqlite_pragmas = ["journal_mode wal"]\n')
+    with pytest.raises(SettingsError, match="temporal_sqlite_pragmas"):
         load_settings(config, env={})
     assert isinstance(load_settings(tmp_path / "absent.toml", env={}), StackSettings)
