@@ -73,7 +73,7 @@ def quiet(msg: str) -> None:
     pass
 
 
-async def until(check: Callable[[], Any], what: str, timeout_s: float = RUN_TIMEOUT_S) -> Any:
+async def until(check: Callable[[], Any], what: str, timeout_s: float = RUN_TIMEOUT_S, poll_s: float = 0.2) -> Any:
     """Poll `check` (sync or async) until it returns something truthy; fail naming `what`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -81,7 +81,7 @@ async def until(check: Callable[[], Any], what: str, timeout_s: float = RUN_TIME
         value = await value if isinstance(value, Awaitable) else value
         if value:
             return value
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(poll_s)
     raise AssertionError(f"gave up waiting for {what}")
 
 
@@ -341,14 +341,18 @@ async def test_invalid_grade_fails_the_group_and_stores_nothing(migrated_db: Dat
 async def test_inference_server_down_is_retried_and_the_run_status_says_why(
         stack: Stack, temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,  # type: ignore[no-untyped-def]
         inference_servers: list[str]) -> None:
-    cfg = tiny_config(tiny_model, steps=2, eval={"prompts": 4}, rollout={"generate_attempts": 2})
+    # one step: no sync runs while the groups generate, so a running `generate` activity is on the
+    # server (a completion sampled during a sync's verification waits off the server for its verdict)
+    cfg = tiny_config(tiny_model, steps=1, eval={"prompts": 4}, rollout={"generate_attempts": 2})
     handle = await start_run(temporal_client, cfg)
     record = stack.table.get("inference-0")
     assert record is not None
-    # a short tiny-model call can end between any look and a stop: freeze the server, look, and
-    # crash it only while a model call is waiting on it
-    await until(lambda: frozen_with_a_model_call_waiting(temporal_client, handle.id, record.pid),
-                "a model call in flight")
+    await until(lambda: rows(migrated_db, "select 1 from rollout_groups where run_id = :r", r=cfg.name),
+                "the first group")
+    # a tiny-model call can end between any look and a stop: freeze the server, look, and crash it
+    # only while model calls wait on it
+    await until(lambda: frozen_with_model_calls_on_it(temporal_client, handle.id, record.pid),
+                "model calls in flight", poll_s=0.02)
     monkey = Monkey(stack, pipeline_workers)
     monkey.take_down("inference-0")  # SIGKILL, which also ends a stopped process
     try:
@@ -359,8 +363,8 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
         status.last_group_failure, status.last_group_failure
     await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)  # the sidecar reloads the server; the run goes on
     assert_audit_trail(migrated_db, cfg)
-    # some model call failed twice: its first try may have lost its answer as the server died (or
-    # met it shutting down), its retry could not connect
+    # some model call failed twice: its first try lost its answer as the server died (or found it
+    # gone), its retry could not connect
     failures = rows(migrated_db, "select workflow_id, activity_id, attempt, error_type from failures "
                                  "where run_id = :r and activity = 'generate'", r=cfg.name)
     tries: dict[tuple[str, str], dict[int, str]] = {}
@@ -369,32 +373,32 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
     assert any({1, 2} <= set(call) and call[2] == "ServerUnavailableError" for call in tries.values()), failures
 
 
-async def frozen_with_a_model_call_waiting(client: Client, run_workflow_id: str, server_pid: int) -> bool:
-    """SIGSTOP the server's processes and look: True (the server left stopped) if a rollout group
-    of the run has a `generate` activity running, else False (the server resumed)."""
+async def frozen_with_model_calls_on_it(client: Client, run_workflow_id: str, server_pid: int) -> bool:
+    """SIGSTOP the server's processes and look: True (the server left stopped) if the run's rollout
+    groups have at least two `generate` activities running (one may be reading or writing Postgres
+    just before or after its call), else False (the server resumed)."""
     group = os.getpgid(server_pid)
     os.killpg(group, signal.SIGSTOP)
     waiting = False
     try:
-        waiting = await generate_running(client, run_workflow_id)
+        waiting = await generate_activities_running(client, run_workflow_id) >= 2
     finally:
         if not waiting:
             os.killpg(group, signal.SIGCONT)
     return waiting
 
 
-async def generate_running(client: Client, run_workflow_id: str) -> bool:
-    index = 0
+async def generate_activities_running(client: Client, run_workflow_id: str) -> int:
+    running, index = 0, 0
     while True:  # the run's groups, in launch order, up to the first one not started yet
         try:
             described = await client.get_workflow_handle(f"{run_workflow_id}-group-{index}").describe()
         except RPCError as err:
             if err.status != RPCStatusCode.NOT_FOUND:
                 raise
-            return False
-        if any(a.activity_type.name == "generate" and a.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
-               for a in described.raw_description.pending_activities):
-            return True
+            return running
+        running += sum(a.activity_type.name == "generate" and a.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+                       for a in described.raw_description.pending_activities)
         index += 1
 
 
