@@ -8,7 +8,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from infra.inference import SERVED_MODEL_NAME
 from observe import invariants
+from policy.tiny import arithmetic_question
 from schemas.config import RunConfig, load_run_config
 from storage.db import Database
 
@@ -28,6 +30,14 @@ def tiny_config(tiny_model: Path, config_file: str = "tiny-arithmetic.toml", **o
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return RunConfig.model_validate(data)
+
+
+def arithmetic_judge(base_url: str) -> dict[str, Any]:
+    """A judge config the tiny model can serve. It only knows its warm-up question, whose every
+    answer holds a digit (right, near miss or malformed): asked one, its last digit is the score.
+    A question in any other words gets whatever the warm-up left (e.g. a bare "<"), no score."""
+    return {"base_url": base_url, "model": SERVED_MODEL_NAME, "max_tokens": 12, "score_pattern": r"(\d)",
+            "max_score": 10, "prompt_template": arithmetic_question(2, 2) + "{response:.0}"}
 
 
 def rows(db: Database, sql: str, **params: object) -> list[sa.Row]:

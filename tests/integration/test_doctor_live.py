@@ -27,12 +27,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from temporalio.client import Client
 
-from infra.inference import SERVED_MODEL_NAME
 from infra.process import free_port
 from infra.settings import LOOPBACK
 from observe import doctor
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, tiny_config
+from tests.integration.runs import RUN_TIMEOUT_S, arithmetic_judge, tiny_config
 from workers.run_commands import start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
@@ -83,9 +82,7 @@ async def test_a_healthy_run_passes(temporal_client: Client, pipeline_workers, m
 
 async def test_a_slow_grader_is_named(temporal_client: Client, pipeline_workers, migrated_db: Database,
                                       tiny_model: Path, slow_judge: str) -> None:
-    # the tiny model only knows arithmetic: the judge is asked one, and its digit is the score
-    judge = {"base_url": slow_judge, "model": SERVED_MODEL_NAME, "max_tokens": 12,
-             "prompt_template": "What is 2 + 2?{response:.0}", "score_pattern": r"(\d)", "max_score": 10}
+    judge = arithmetic_judge(slow_judge)
     findings = await diagnosed(temporal_client, migrated_db, tiny_model, steps=3,
                                grader={"name": "judge", "concurrency": 1, "judge": judge})
     grader = findings[doctor.GRADER_SHARE]

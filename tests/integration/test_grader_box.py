@@ -15,12 +15,11 @@ from envs.base import Rubric, Task
 from graders.base import GradeResult
 from graders.group import grade_group
 from graders.rules import AnswerMatchGrader
-from infra.inference import SERVED_MODEL_NAME
 from schemas.config import RunConfig
 from storage import buffer
 from storage.db import Database
 from storage.runs import register_run
-from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
+from tests.integration.runs import RUN_TIMEOUT_S, arithmetic_judge, assert_audit_trail, rows, tiny_config
 from workers.run_commands import run_status, start_run
 
 pytestmark = [pytest.mark.stack]
@@ -101,11 +100,8 @@ async def test_failing_grader_is_retried_recorded_and_the_run_goes_on(
 async def test_model_grader_judges_through_the_inference_server(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
         inference_servers: list[str]) -> None:
-    # the tiny model only knows arithmetic, so the "judge" prompt is an arithmetic question whose
-    # answer digit becomes the score (greedy, it answers "-1" to this one without the env's system
-    # prompt): the real chat API, parsing and validation, end to end
-    judge = {"base_url": inference_servers[0], "model": SERVED_MODEL_NAME, "max_tokens": 12,
-             "prompt_template": "What is 2 + 2?{response:.0}", "score_pattern": r"(\d)", "max_score": 10}
+    # the real chat API, the judge's parsing and validation, end to end
+    judge = arithmetic_judge(inference_servers[0])
     cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": judge})
     await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
     assert_audit_trail(migrated_db, cfg)
