@@ -74,6 +74,11 @@ class RolloutConfig(Strict):
     group if at least `min_partial_samples` finished (advantages use only those)."""
     min_partial_samples: int = Field(2, ge=1)
     """Fewest finished samples a partial group may have."""
+    pause_after_failed_groups: int | None = Field(32, ge=1)
+    """Pause the run when this many groups in a row failed, none completing in between: a grader,
+    tool or environment that fails every time would otherwise spend compute forever. The pause
+    reason quotes the last failure; `resume` starts the count again. None never pauses. (Groups
+    dropped at their deadline are the straggler policy at work, not failures, and do not count.)"""
     hedge_samples: int = Field(0, ge=0)
     """Extra samples started per group; the first `group_size` to finish are kept, the rest discarded."""
     tool_latency: LatencyModel = NoLatency()

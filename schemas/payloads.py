@@ -63,6 +63,8 @@ class RunState:
     groups_consumed: int = 0
     groups_dropped: int = 0
     groups_failed: int = 0
+    groups_failed_in_a_row: int = 0
+    """Failed groups since the last completed one (or the last resume): the pause-on-failures count."""
     paused: bool = False
     pause_reason: str | None = None
     phase: str = "starting"

@@ -73,6 +73,7 @@ class TrainingRunWorkflow:
         self.state = carried if carried is not None else RunState()
         self.stopping = False
         self.sync_task: asyncio.Task[None] | None = None
+        self.pauses_on_failures = False
 
     # -- the run ------------------------------------------------------------------------------------
     @workflow.run
@@ -132,10 +133,17 @@ class TrainingRunWorkflow:
 
     # -- rollouts -----------------------------------------------------------------------------------
     async def _keep_rollouts_in_flight(self) -> None:
+        # runs started before the pause-on-failures rule replay without it (docs/workflow-changes.md)
+        self.pauses_on_failures = workflow.patched("pause-after-failed-groups")
         while not self.stopping:
-            await workflow.wait_condition(lambda: self.stopping or self._launch_server() is not None)
+            await workflow.wait_condition(
+                lambda: self.stopping or self._failing_every_group() or self._launch_server() is not None)
             if self.stopping:
                 return
+            if self._failing_every_group():
+                await self._pause(f"paused after {self.state.groups_failed_in_a_row} groups in a row failed; "
+                                  f"the last: {self.state.last_group_failure}")
+                continue
             server = self._launch_server()
             assert server is not None
             index = self.state.next_group_index
@@ -166,6 +174,12 @@ class TrainingRunWorkflow:
         freshest = [name for steps, name in usable if steps == live_steps]
         return freshest[s.next_group_index % len(freshest)]
 
+    def _failing_every_group(self) -> bool:
+        """Has the pause-on-failures count been reached (and the run not paused for it yet)?"""
+        limit = self.config.rollout.pause_after_failed_groups
+        return (self.pauses_on_failures and limit is not None and not self.state.paused
+                and self.state.groups_failed_in_a_row >= limit)
+
     def _group_input(self, index: int, server: str) -> GroupInput:
         r = self.config.rollout
         return GroupInput(
@@ -190,10 +204,12 @@ class TrainingRunWorkflow:
         if summary.status == "completed":
             s.ready.append(summary)
             s.groups_completed += 1
+            s.groups_failed_in_a_row = 0
         elif summary.status == "dropped":
             s.groups_dropped += 1
         else:
             s.groups_failed += 1
+            s.groups_failed_in_a_row += 1
         if summary.status != "completed":  # the status query says why, e.g. a server that is down
             s.last_group_failure = f"group {summary.group_index} {summary.status}: {summary.reason}"
 
@@ -322,9 +338,7 @@ class TrainingRunWorkflow:
 
     @workflow.update
     async def pause(self, request: PauseRequest) -> RunStatus:
-        self.state.paused, self.state.pause_reason = True, request.reason
-        self._set_phase("paused")
-        await self._set_status("paused", request.reason)
+        await self._pause(request.reason)
         return self.status()
 
     @pause.validator
@@ -337,6 +351,7 @@ class TrainingRunWorkflow:
     @workflow.update
     async def resume(self) -> RunStatus:
         self.state.paused, self.state.pause_reason = False, None
+        self.state.groups_failed_in_a_row = 0  # whatever made every group fail has been seen to
         self._set_phase("running")
         await self._set_status("running", None)
         return self.status()
@@ -369,6 +384,12 @@ class TrainingRunWorkflow:
                                    "the trainer of fresh data")
 
     # -- bookkeeping --------------------------------------------------------------------------------
+    async def _pause(self, reason: str) -> None:
+        """No new groups until `resume`; groups in flight finish, and steps train on what is buffered."""
+        self.state.paused, self.state.pause_reason = True, reason
+        self._set_phase("paused")
+        await self._set_status("paused", reason)
+
     def _set_phase(self, phase: str) -> None:
         self.state.phase = phase
         workflow.upsert_search_attributes([PHASE.value_set(phase)])

@@ -65,20 +65,25 @@ async def test_identical_response_is_graded_once_then_served_from_the_cache(migr
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("clean_workflows")
-async def test_failing_grader_is_retried_recorded_and_the_run_goes_on(
+async def test_failing_grader_is_retried_recorded_and_the_run_pauses_saying_why(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
     with socket.socket() as sock:  # a port with nobody listening: every judge call is refused
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
     cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": {"base_url": dead, "model": "m"}},
-                      rollout={"grade_attempts": 2})
+                      rollout={"grade_attempts": 2, "pause_after_failed_groups": 3})
     await start_run(temporal_client, cfg)
     deadline = asyncio.get_running_loop().time() + RUN_TIMEOUT_S
-    while (await run_status(temporal_client, cfg.name)).groups_failed < 2:
-        assert asyncio.get_running_loop().time() < deadline
+    paused_row = "select status_reason from runs where id = :r and status = 'paused'"
+    while not ((status := await run_status(temporal_client, cfg.name)).paused and
+               (run := rows(migrated_db, paused_row, r=cfg.name))):
+        assert asyncio.get_running_loop().time() < deadline, status
         await asyncio.sleep(0.5)
-    status = await run_status(temporal_client, cfg.name)
-    assert status.phase == "running" and status.step == 0  # still waiting for gradable groups, not crashed
+    # every group failed, so the run stopped starting groups rather than burn compute on the fault
+    assert status.step == 0 and status.groups_failed >= 3 and status.phase == "paused"
+    assert status.pause_reason is not None and "3 groups in a row failed" in status.pause_reason
+    assert "grading failed" in status.pause_reason, status.pause_reason
+    assert run[0].status_reason == status.pause_reason  # SQL says why too
     grading = rows(migrated_db, "select workflow_id, activity_id, attempt, error_type from failures where "
                                 "run_id = :r and kind = 'grade' order by workflow_id, activity_id, attempt",
                    r=cfg.name)

@@ -55,6 +55,8 @@ class FakeBooks:
     """Servers whose syncs fail (a server that is down)."""
     generated_on: list[str] = field(default_factory=list)
     """The server of every generate call, in order."""
+    grading_error: str | None = None
+    """While set, grading fails with this message (a broken grader), without retries."""
 
     def log(self, kind: str, index: int) -> None:
         self.events.append((time.monotonic(), kind, index))
@@ -102,6 +104,8 @@ class FakeBooks:
 
         @activity.defn(name="grade_group")
         async def grade_group(inp: GradeGroupInput) -> GradeGroupResult:
+            if books.grading_error is not None:
+                raise ApplicationError(books.grading_error, non_retryable=True)
             return GradeGroupResult([float(i % 2) for i in range(len(inp.trajectory_ids))], 0)
 
         @activity.defn(name="finish_group")
@@ -109,7 +113,8 @@ class FakeBooks:
             group = books.groups[inp.group_index]
             group["status"] = inp.status
             books.log("group_end", inp.group_index)
-            return GroupSummary(inp.group_index, inp.status, group["version"], len(inp.trajectory_ids), 0.5)
+            return GroupSummary(inp.group_index, inp.status, group["version"], len(inp.trajectory_ids), 0.5,
+                                reason=inp.reason)
 
         @activity.defn(name="train_step")
         async def train_step(inp: TrainStepInput) -> StepSummary:

@@ -140,6 +140,29 @@ async def test_pause_stops_new_groups_and_resume_finishes(temporal_client: Clien
     assert result.steps == 3 and "paused" in books.statuses
 
 
+async def test_a_run_whose_every_group_fails_pauses_saying_why(temporal_client: Client) -> None:
+    books = FakeBooks(grading_error="grader 'judge' produced an invalid grade '<'")
+    cfg = config(steps=2, rollout={"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": 4,
+                                   "pause_after_failed_groups": 3})
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        status = await handle.query(TrainingRunWorkflow.status)
+        while not status.paused:
+            await asyncio.sleep(0.05)
+            status = await handle.query(TrainingRunWorkflow.status)
+        assert status.pause_reason is not None and "groups in a row failed" in status.pause_reason
+        assert "invalid grade '<'" in status.pause_reason, status.pause_reason
+        await asyncio.sleep(0.5)  # the groups in flight end; no new one starts
+        started = len(books.groups)
+        await asyncio.sleep(0.5)
+        assert len(books.groups) == started <= 4 + 3, "groups started while paused for failures"
+        assert books.statuses[-1] == "paused" and status.step == 0
+        books.grading_error = None  # the grader is mended: resuming starts the count again
+        await handle.execute_update(TrainingRunWorkflow.resume)
+        result = await finished(handle)
+    assert result.steps == 2 and result.groups_failed == started
+
+
 async def paused_with_both_servers(client: Client, cfg: RunConfig, books: FakeBooks) -> WorkflowHandle:
     """The run started, paused, the base policy on both servers and no group in flight; what
     the servers generated so far forgotten."""
