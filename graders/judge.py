@@ -1,12 +1,16 @@
 """A model-based grader: an LLM judge behind any OpenAI-compatible endpoint (vLLM, a hosted API).
 
-The judge sees the task, the reference and the response through a configurable template, replies
-in free text, and the last match of a configurable regex is its score, divided by the top score.
+The judge sees the task, the reference and the response through a configurable template, and the
+last match of a configurable regex in its reply is its score, divided by the top score. By default
+the reply is structured: the server may only generate one of the replies "SCORE: 0" .. "SCORE: 10"
+(vLLM's `structured_outputs` choice constraint), so the reply parses whatever the judge model is,
+even an untrained one. Free-text judging (reasoning, then the score) is the other reply format.
 Greedy decoding (temperature 0), because cached grades assume the same input gets the same verdict.
 
-A reply without a score (or an endpoint reply without choices) raises `UnparsableJudgeOutput`, an
-`InvalidGrade`, so the caller records a failure instead of inventing a reward; HTTP errors and
-timeouts propagate as httpx errors, which are worth a retry.
+A reply without a score (or an endpoint reply without choices) raises `UnparsableJudgeOutput`, and
+a request the endpoint refuses (HTTP 4xx other than 408/429) raises `JudgeRequestRefused`: both are
+`InvalidGrade`s, so the caller records a failure instead of inventing a reward or retrying. Other
+HTTP errors and timeouts propagate as httpx errors, which are worth a retry.
 """
 
 import asyncio
@@ -25,8 +29,15 @@ if TYPE_CHECKING:  # httpx loads only when a judge is built, keeping `graders` l
 JUDGE_OUTPUT_CHARS = 1000  # the tail of the judge's reply kept in the details
 
 
+RETRYABLE_CLIENT_ERRORS = (408, 429)  # request timeout, rate limit: the same request may pass later
+
+
 class UnparsableJudgeOutput(InvalidGrade):
     """The judge's reply holds no score the configured pattern can read."""
+
+
+class JudgeRequestRefused(InvalidGrade):
+    """The endpoint refused the request itself (HTTP 4xx): sending it again gives the same answer."""
 
 
 def endpoint_url(base_url: str, api: str) -> str:
@@ -90,6 +101,8 @@ class JudgeGrader(Grader):
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        if config.reply_format == "structured":
+            body["structured_outputs"] = {"choice": config.structured_replies()}
         return body
 
     async def score(self, task: Task, response_text: str) -> GradeResult:
@@ -100,6 +113,7 @@ class JudgeGrader(Grader):
             reply = await self.client.post(
                 self.url, json=self._request_body(prompt), headers=self.headers, timeout=self.timeout_s
             )
+        self._raise_if_refused(reply)
         reply.raise_for_status()
         text = self._reply_text(reply)
         matches = self._pattern.findall(text)
@@ -112,6 +126,17 @@ class JudgeGrader(Grader):
         output = text[-JUDGE_OUTPUT_CHARS:]
         details = {"judge_model": self.config.model, "judge_score": raw_score, "judge_output": output}
         return GradeResult(raw_score / self.config.max_score, details)
+
+    def _raise_if_refused(self, reply: "httpx.Response") -> None:
+        if not 400 <= reply.status_code < 500 or reply.status_code in RETRYABLE_CLIENT_ERRORS:
+            return
+        hint = ""
+        if self.config.reply_format == "structured":
+            hint = ("; an endpoint without vLLM's structured_outputs request field needs "
+                    "grader.judge.reply_format = 'free_text'")
+        raise JudgeRequestRefused(
+            self.name, reply.text[:JUDGE_OUTPUT_CHARS], f"{self.url} refused the request (HTTP {reply.status_code}){hint}"
+        )
 
     def _reply_text(self, reply: "httpx.Response") -> str:
         try:

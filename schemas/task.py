@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ArithmeticOperator = Literal["+", "-", "*"]
+MAX_STRUCTURED_SCORE = 100  # a structured judge chooses among max_score + 1 replies
 
 
 class ArithmeticDifficulty(BaseModel):
@@ -121,6 +122,15 @@ class JudgeConfig(BaseModel):
     """Generation limit of the judge's reply."""
     api_key_env: str | None = None
     """Name of an environment variable holding a bearer token, for hosted endpoints; None sends none."""
+    reply_format: Literal["structured", "free_text"] = "structured"
+    """structured: the server may only generate one of the replies `structured_reply` renders for the
+    whole scores 0..max_score (vLLM's structured outputs, a `choice` constraint), so every reply parses,
+    whatever the judge model; free_text: the judge writes what it likes (reasoning first, say) and a
+    reply without a score is an unparsable grade. Servers without vLLM's `structured_outputs` request
+    field (hosted APIs) need free_text."""
+    structured_reply: str = "SCORE: {score}"
+    """With reply_format 'structured': the one reply allowed per whole score; must contain {score}
+    and be read back by score_pattern as that score."""
 
     @field_validator("base_url")
     @classmethod
@@ -156,6 +166,31 @@ class JudgeConfig(BaseModel):
             )
         return pattern
 
+    @model_validator(mode="after")
+    def _structured_replies_parse(self) -> "JudgeConfig":
+        if self.reply_format != "structured":
+            return self
+        if not self.max_score.is_integer() or self.max_score > MAX_STRUCTURED_SCORE:
+            raise ValueError(
+                f"judge.max_score {self.max_score} must be a whole number <= {MAX_STRUCTURED_SCORE} for "
+                "reply_format 'structured' (one allowed reply per score): change it or use 'free_text'"
+            )
+        if "{score}" not in self.structured_reply:
+            raise ValueError(f"judge.structured_reply {self.structured_reply!r} has no {{score}} field")
+        pattern = re.compile(self.score_pattern)
+        for score, reply in enumerate(self.structured_replies()):
+            found = pattern.findall(reply)
+            if not found or float(found[-1]) != score:
+                raise ValueError(
+                    f"judge.score_pattern {self.score_pattern!r} does not read the structured reply {reply!r} "
+                    f"as {score}: make structured_reply and score_pattern agree"
+                )
+        return self
+
+    def structured_replies(self) -> list[str]:
+        """The replies a structured judge may give, one per whole score 0..max_score (index = score)."""
+        return [self.structured_reply.replace("{score}", str(score)) for score in range(int(self.max_score) + 1)]
+
 
 class GraderConfig(BaseModel):
     """Which grader turns a response into a reward, and how hard it may be driven."""
@@ -174,7 +209,9 @@ class GraderConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str | None) -> str | None:
-        from graders.registry import known_graders  # lazy: keeps schemas free of grader imports
+        from graders.registry import (
+            known_graders,  # lazy: keeps schemas free of grader imports
+        )
 
         if name is not None and name not in known_graders():
             raise ValueError(

@@ -16,7 +16,7 @@ from envs.base import Rubric, SandboxFailed, Task
 from envs.code import VERDICT_MARKER
 from graders.base import Grader, GraderDeps, GradeResult, InvalidGrade, validate_grade
 from graders.cache import InMemoryGradeCache, canonical_json, grade_cache_key, grade_with_cache
-from graders.judge import JudgeGrader, UnparsableJudgeOutput, endpoint_url
+from graders.judge import JudgeGrader, JudgeRequestRefused, UnparsableJudgeOutput, endpoint_url
 from graders.registry import UnknownGrader, build_grader, build_rubric_graders, grader_class
 from graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
 from schemas.task import GraderConfig, JudgeConfig
@@ -208,7 +208,7 @@ async def test_judge_scores_from_the_last_score_line() -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         return chat_reply("First thought SCORE: 2, but on reflection\nSCORE: 7")
 
-    grader, seen = judge_with(handler)
+    grader, seen = judge_with(handler, judge_config(reply_format="free_text"))
     result = await grader.grade(MATH_TASK, "<answer>84</answer>")
     assert result.score == pytest.approx(0.7)
     assert result.details["judge_score"] == 7.0 and result.details["judge_model"] == "judge-7b"
@@ -217,6 +217,7 @@ async def test_judge_scores_from_the_last_score_line() -> None:
     assert str(request.url) == "http://judge.test:8000/v1/chat/completions"
     body = json.loads(request.content)
     assert (body["model"], body["temperature"], body["max_tokens"]) == ("judge-7b", 0.0, 512)
+    assert "structured_outputs" not in body  # free text: the judge may reason before its score
     (message,) = body["messages"]
     assert message["role"] == "user"
     assert "What is 12 * 7?" in message["content"] and "<answer>84</answer>" in message["content"]
@@ -228,7 +229,7 @@ async def test_judge_completions_api_and_auth_header(monkeypatch: pytest.MonkeyP
         return httpx.Response(200, json={"choices": [{"text": " 3/4 -> SCORE: 0.75"}]})
 
     monkeypatch.setenv("JUDGE_TOKEN", "s3cret")
-    config = judge_config(api="completions", max_score=1.0, api_key_env="JUDGE_TOKEN")
+    config = judge_config(api="completions", max_score=1.0, api_key_env="JUDGE_TOKEN", reply_format="free_text")
     grader, seen = judge_with(handler, config)
     assert (await grader.grade(MATH_TASK, "x")).score == 0.75
     assert seen[0].url.path == "/v1/completions" and "prompt" in json.loads(seen[0].content)
@@ -269,9 +270,48 @@ async def test_out_of_range_judge_scores_are_rejected() -> None:
         await grader.grade(MATH_TASK, "x")
 
 
-async def test_http_errors_propagate_for_a_retry() -> None:
+async def test_a_structured_judge_may_only_reply_with_a_score() -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(503, text="overloaded")
+        return chat_reply("SCORE: 8")
+
+    grader, seen = judge_with(handler)  # structured is the default
+    assert (await grader.grade(MATH_TASK, "x")).score == pytest.approx(0.8)
+    body = json.loads(seen[0].content)
+    assert body["structured_outputs"] == {"choice": [f"SCORE: {i}" for i in range(11)]}
+
+
+def test_structured_replies_follow_the_reply_template_and_max_score() -> None:
+    judge = JudgeConfig(base_url="http://j:8000", model="m", max_score=3, structured_reply="{score}/3",
+                        score_pattern=r"(\d)/3")
+    assert judge.structured_replies() == ["0/3", "1/3", "2/3", "3/3"]
+
+
+def test_structured_judge_config_errors_name_the_fix() -> None:
+    base = {"base_url": "http://j:8000", "model": "m"}
+    with pytest.raises(ValidationError, match=r"max_score 2.5 must be a whole number <= 100 .* 'free_text'"):
+        JudgeConfig(**base, max_score=2.5)
+    with pytest.raises(ValidationError, match=r"structured_reply 'SCORE' has no \{score\} field"):
+        JudgeConfig(**base, structured_reply="SCORE")
+    with pytest.raises(ValidationError, match=r"does not read the structured reply 'grade 0' as 0"):
+        JudgeConfig(**base, structured_reply="grade {score}")
+    assert JudgeConfig(**base, max_score=2.5, reply_format="free_text").max_score == 2.5
+
+
+@pytest.mark.parametrize("reply_format", ["structured", "free_text"])
+async def test_a_refused_request_is_an_invalid_grade_not_a_retry(reply_format: str) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, text="unknown field: structured_outputs")
+
+    grader, _ = judge_with(handler, judge_config(reply_format=reply_format))
+    with pytest.raises(JudgeRequestRefused, match=r"refused the request \(HTTP 400\)") as caught:
+        await grader.grade(MATH_TASK, "x")
+    assert ("reply_format = 'free_text'" in str(caught.value)) == (reply_format == "structured")
+
+
+@pytest.mark.parametrize("status", [408, 429, 503])
+async def test_http_errors_propagate_for_a_retry(status: int) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, text="overloaded")
 
     grader, _ = judge_with(handler)
     with pytest.raises(httpx.HTTPStatusError):
