@@ -7,12 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from temporalio.client import Client
 
 from infra.inference import SERVED_MODEL_NAME
 from observe import invariants
-from policy.tiny import arithmetic_question
 from schemas.config import RunConfig, load_run_config
+from schemas.payloads import RunResult
 from storage.db import Database
+from tests.waiting import run_result
+from workers.run_commands import start_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RUN_TIMEOUT_S = 600
@@ -32,12 +35,15 @@ def tiny_config(tiny_model: Path, config_file: str = "tiny-arithmetic.toml", **o
     return RunConfig.model_validate(data)
 
 
-def arithmetic_judge(base_url: str) -> dict[str, Any]:
-    """A judge config the tiny model can serve. It only knows its warm-up question, whose every
-    answer holds a digit (right, near miss or malformed): asked one, its last digit is the score.
-    A question in any other words gets whatever the warm-up left (e.g. a bare "<"), no score."""
-    return {"base_url": base_url, "model": SERVED_MODEL_NAME, "max_tokens": 12, "score_pattern": r"(\d)",
-            "max_score": 10, "prompt_template": arithmetic_question(2, 2) + "{response:.0}"}
+def tiny_judge(base_url: str, **changes: Any) -> dict[str, Any]:
+    """A judge config served by the session's tiny model, which was never taught to judge: with
+    the default structured replies every verdict still parses; in free text it never scores."""
+    return {"base_url": base_url, "model": SERVED_MODEL_NAME, "max_tokens": 16} | changes
+
+
+async def run_to_end(client: Client, cfg: RunConfig) -> RunResult:
+    """Start `cfg` and wait for its result: RunStalled, quoting the reason, as soon as it pauses or fails."""
+    return await run_result(await start_run(client, cfg), RUN_TIMEOUT_S)
 
 
 def rows(db: Database, sql: str, **params: object) -> list[sa.Row]:

@@ -14,7 +14,8 @@ from temporalio.client import Client
 
 from infra.process import kill
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
+from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
+from tests.waiting import run_result
 from workers.run_commands import start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clea
 async def test_multi_turn_tool_run_masks_tool_tokens_out_of_the_loss(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
     cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=2)
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    await run_to_end(temporal_client, cfg)
     assert_audit_trail(migrated_db, cfg)
     tool_turns = rows(migrated_db, """
         select t.id, t.completion_ids, t.loss_mask, t.sampler_logprobs
@@ -59,7 +60,7 @@ async def test_rollout_worker_killed_mid_group_never_regenerates_a_finished_turn
                                      "join trajectories t on t.id = tu.trajectory_id where t.run_id = :r", r=cfg.name)
     assert kill(pipeline_workers.table.get("rollout"))  # SIGKILL: workflows and generation go down together
     pipeline_workers.up(only=["rollout"], progress=lambda msg: None)
-    await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    await run_result(handle, RUN_TIMEOUT_S)
     assert_audit_trail(migrated_db, cfg)
 
     after = {(r.trajectory_id, r.turn_index): r.output_ids for r in rows(
@@ -93,7 +94,7 @@ async def test_long_tail_tool_latency_is_governed_by_the_group_deadline(
                       # is all but certain (P(none) < 2 %), and the run still takes seconds, not minutes
                       rollout={"tool_latency": {"kind": "lognormal", "median_seconds": 1.0, "sigma": 1.0, "seed": 3},
                                "group_deadline_s": 2.5, "straggler_policy": "partial", "min_partial_samples": 2})
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    await run_to_end(temporal_client, cfg)
     assert_audit_trail(migrated_db, cfg)
     outcome = rows(migrated_db, """
         select count(*) filter (where status_reason like 'partial group%') as partial,

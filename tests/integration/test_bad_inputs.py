@@ -61,6 +61,7 @@ from storage.object_store import ObjectStore
 from storage.runs import DuplicateRunName, register_run
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
 from tests.integration.test_grader_box import one_turn_group
+from tests.waiting import run_result
 from weights.checkpoints import manifest_key
 from workers import run_commands
 from workers.chaos import Monkey
@@ -176,7 +177,7 @@ async def outage_run(stack: Stack, temporal_client: Client, pipeline_workers, mi
     postgres = stack.service("postgres")
     stack.stop_service(postgres, progress=quiet)
     stack.start(postgres, progress=quiet)
-    await asyncio.wait_for(handles[0].result(), RUN_TIMEOUT_S)
+    await run_result(handles[0], RUN_TIMEOUT_S)
     groups = [g.workflow_id for g in rows(migrated_db, "select workflow_id from rollout_groups where run_id = :r",
                                           r=name)]
     retried = [m for wf in groups for m in await retried_attempts(temporal_client, wf)]
@@ -361,7 +362,7 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
         monkey.bring_back("inference-0")
     assert inference_servers[0] in status.last_group_failure and "cannot reach inference server" in \
         status.last_group_failure, status.last_group_failure
-    await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)  # the sidecar reloads the server; the run goes on
+    await run_result(handle, RUN_TIMEOUT_S)  # the sidecar reloads the server; the run goes on
     assert_audit_trail(migrated_db, cfg)
     # some model call failed twice: its first try lost its answer as the server died (or found it
     # gone), its retry could not connect

@@ -31,8 +31,7 @@ from infra.process import free_port
 from infra.settings import LOOPBACK
 from observe import doctor
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, arithmetic_judge, tiny_config
-from workers.run_commands import start_run
+from tests.integration.runs import run_to_end, tiny_config, tiny_judge
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 
@@ -66,7 +65,7 @@ async def diagnosed(temporal_client: Client, db: Database, tiny_model: Path, con
                     **overrides: Any) -> dict[str, doctor.Finding]:
     """Run a tiny config with `overrides` to the end; the doctor's findings by check name."""
     cfg = tiny_config(tiny_model, config_file, **overrides)
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    await run_to_end(temporal_client, cfg)
     with db.begin() as s:
         findings = doctor.diagnose(s, cfg.name)
     doctor.print_findings(findings, cfg.name)  # shown with -s, and in the failure report
@@ -82,7 +81,7 @@ async def test_a_healthy_run_passes(temporal_client: Client, pipeline_workers, m
 
 async def test_a_slow_grader_is_named(temporal_client: Client, pipeline_workers, migrated_db: Database,
                                       tiny_model: Path, slow_judge: str) -> None:
-    judge = arithmetic_judge(slow_judge)
+    judge = tiny_judge(slow_judge)
     findings = await diagnosed(temporal_client, migrated_db, tiny_model, steps=3,
                                grader={"name": "judge", "concurrency": 1, "judge": judge})
     grader = findings[doctor.GRADER_SHARE]

@@ -4,6 +4,7 @@ recorded without stopping the run, and a model-based grader (LLM judge) served b
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import uuid
 from pathlib import Path
@@ -12,14 +13,18 @@ import pytest
 from temporalio.client import Client
 
 from envs.base import Rubric, Task
-from graders.base import GradeResult
+from graders.base import GradeResult, GraderDeps
+from graders.judge import UnparsableJudgeOutput
+from graders.registry import build_grader
 from graders.group import grade_group
 from graders.rules import AnswerMatchGrader
 from schemas.config import RunConfig
+from schemas.task import GraderConfig, JudgeConfig
 from storage import buffer
 from storage.db import Database
 from storage.runs import register_run
-from tests.integration.runs import RUN_TIMEOUT_S, arithmetic_judge, assert_audit_trail, rows, tiny_config
+from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config, tiny_judge
+from tests.waiting import RunStalled
 from workers.run_commands import run_status, start_run
 
 pytestmark = [pytest.mark.stack]
@@ -100,17 +105,62 @@ async def test_failing_grader_is_retried_recorded_and_the_run_pauses_saying_why(
     await temporal_client.get_workflow_handle(cfg.workflow_id).cancel()
 
 
+RESPONSES = ["<answer>4</answer>", "4", "The answer is four.", "<answer>5</answer>", "", "SCORE", "I do not know",
+             "<answer>4", "2 + 2 = 4, so <answer>4</answer>", "<tool>calc(2+2)</tool>"]
+
+
+@pytest.mark.vllm
+async def test_structured_judging_parses_every_reply_where_free_text_parses_none(
+        inference_servers: list[str]) -> None:
+    """The tiny model was never taught to judge: asked in free text, it never writes a score;
+    constrained by vLLM's structured outputs, every reply is one."""
+    task = Task(id="judge:q", split="train", index=0, question="What is 2+2?", reference="4")
+    graders = {fmt: build_grader("judge", GraderConfig(name="judge", judge=JudgeConfig(
+        **tiny_judge(inference_servers[0], reply_format=fmt))), GraderDeps()) for fmt in ("free_text", "structured")}
+    try:
+        free = await asyncio.gather(*(graders["free_text"].grade(task, r) for r in RESPONSES), return_exceptions=True)
+        structured = await asyncio.gather(*(graders["structured"].grade(task, r) for r in RESPONSES))
+    finally:
+        for grader in graders.values():
+            await grader.aclose()
+    assert all(isinstance(result, UnparsableJudgeOutput) for result in free), free
+    for result in structured:
+        assert re.fullmatch(r"SCORE: (\d+)", result.details["judge_output"]), result.details
+        assert result.score == result.details["judge_score"] / 10 and 0.0 <= result.score <= 1.0
+
+
 @pytest.mark.vllm
 @pytest.mark.usefixtures("clean_workflows")
 async def test_model_grader_judges_through_the_inference_server(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
         inference_servers: list[str]) -> None:
-    # the real chat API, the judge's parsing and validation, end to end
-    judge = arithmetic_judge(inference_servers[0])
-    cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": judge})
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    # the real chat API, structured replies, the judge's parsing and validation, end to end
+    cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": tiny_judge(inference_servers[0])})
+    await run_to_end(temporal_client, cfg)
     assert_audit_trail(migrated_db, cfg)
     grades = rows(migrated_db, "select g.grader, g.score, g.latency_s, g.details from grades g join trajectories t "
                                "on t.id = g.trajectory_id where t.run_id = :r", r=cfg.name)
-    assert grades and {g.grader for g in grades} == {"judge"}
-    assert all(0.0 <= g.score <= 1.0 and g.latency_s > 0 for g in grades)
+    expected = cfg.rollout.groups_per_step * cfg.rollout.group_size
+    assert len(grades) >= expected and {g.grader for g in grades} == {"judge"}
+    for grade in grades:  # every trajectory's grade row holds a parsed verdict
+        assert re.fullmatch(r"SCORE: (\d+)", grade.details["judge_output"]), grade.details
+        assert grade.score == grade.details["judge_score"] / 10 and grade.latency_s > 0
+    assert rows(migrated_db, "select 1 from failures where run_id = :r and kind = 'grade'", r=cfg.name) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("clean_workflows")
+async def test_a_free_text_judge_that_never_scores_pauses_the_run_and_the_wait_says_why(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
+        inference_servers: list[str]) -> None:
+    judge = tiny_judge(inference_servers[0], reply_format="free_text")
+    cfg = tiny_config(tiny_model, steps=1, grader={"name": "judge", "judge": judge},
+                      rollout={"pause_after_failed_groups": 2})
+    with pytest.raises(RunStalled, match="paused after 2 groups in a row failed") as stalled:
+        await run_to_end(temporal_client, cfg)  # fails as the run pauses, not at RUN_TIMEOUT_S
+    assert "produced an invalid grade" in str(stalled.value) and "no score matching" in str(stalled.value)
+    (run,) = rows(migrated_db, "select status, status_reason from runs where id = :r", r=cfg.name)
+    assert run.status == "paused" and run.status_reason in str(stalled.value)
+    unparsable = rows(migrated_db, "select error_type from failures where run_id = :r and kind = 'grade'", r=cfg.name)
+    assert unparsable and {f.error_type for f in unparsable} == {"UnparsableJudgeOutput"}
+    await temporal_client.get_workflow_handle(cfg.workflow_id).cancel()

@@ -3,7 +3,6 @@ parsed after a tiny run on the real stack, and `rlpipe report` on that run."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -14,8 +13,7 @@ from temporalio.client import Client
 from infra.stack import Stack
 from observe.report import write_report
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, tiny_config
-from workers.run_commands import start_run
+from tests.integration.runs import run_to_end, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WORKERS = ("rollout", "sandbox", "grader", "trainer", "sidecar-0")
@@ -46,7 +44,7 @@ def scrape(url: str) -> dict[str, float]:
 async def finished_run(temporal_client: Client, pipeline_workers, migrated_db: Database,  # type: ignore[no-untyped-def]
                        tiny_model: Path) -> str:
     cfg = tiny_config(tiny_model, steps=2)
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    await run_to_end(temporal_client, cfg)
     return cfg.name
 
 

