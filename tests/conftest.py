@@ -66,12 +66,26 @@ def stack_settings() -> Iterator[StackSettings]:
 
 
 @pytest.fixture(scope="session")
-def stack(stack_settings: StackSettings) -> Iterator[Stack]:
+def session_stack(stack_settings: StackSettings) -> Iterator[Stack]:
+    """The session's stack, its services started only as fixtures need them; all stopped at the end."""
     stack = Stack(stack_settings)
-    stack.up(progress=lambda msg: None)
     yield stack
     if not os.environ.get("RLPIPE_TEST_HOME"):
         stack.down(progress=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
+def temporal_server(session_stack: Stack) -> Stack:
+    """Only the Temporal dev server, for tests of the workflows' own logic."""
+    session_stack.up(only=["temporal"], progress=lambda msg: None)
+    return session_stack
+
+
+@pytest.fixture(scope="session")
+def stack(session_stack: Stack) -> Stack:
+    """Temporal, Postgres and SeaweedFS (inference servers come with `inference_servers`)."""
+    session_stack.up(progress=lambda msg: None)
+    return session_stack
 
 
 @pytest.fixture(scope="session")
@@ -122,12 +136,25 @@ async def clean_workflows(temporal_client):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """The tiny test model (built once, ~15 s, reused across sessions through the cache dir)."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny test model, reused across local sessions through the cache dir. Under CI it is
+    built into an empty directory, so CI sees what a new machine sees (the build is reproducible
+    byte for byte: tests/unit/test_policy.py checks a fresh build against this one)."""
     from policy.models import prepare_tiny
 
-    cache = Path(os.environ.get("RLPIPE_TEST_CACHE", Path.home() / ".cache" / "rlpipe-test"))
-    return prepare_tiny(cache / "models" / "tiny")
+    return prepare_tiny(test_cache(tmp_path_factory) / "models" / "tiny")
+
+
+def test_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """RLPIPE_TEST_CACHE if set; a fresh directory under CI=true; else ~/.cache/rlpipe-test."""
+    if "RLPIPE_TEST_CACHE" in os.environ:
+        return Path(os.environ["RLPIPE_TEST_CACHE"])
+    if os.environ.get("CI") == "true":
+        return tmp_path_factory.mktemp("fresh-test-cache")
+    return Path.home() / ".cache" / "rlpipe-test"
+
+
+test_cache.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture(scope="session")

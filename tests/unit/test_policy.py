@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
+import transformers
 
 from policy.chat import chat_prompt_ids, load_tokenizer
 from policy.checkpoint import (
@@ -17,8 +19,15 @@ from policy.checkpoint import (
     sha256_file,
     weights_sha256,
 )
+from policy.models import prepare_tiny
 from policy.prepare import smollm2_gguf_path
-from policy.tiny import arithmetic_chat_corpus, arithmetic_question, build_tiny_llama
+from policy.tiny import (
+    REPRODUCIBLE_ENV,
+    arithmetic_chat_corpus,
+    arithmetic_question,
+    build_fingerprint,
+    build_tiny_llama,
+)
 
 FEW_STEPS = 20  # enough to make weights depend on training, fast enough for a unit test
 
@@ -34,6 +43,25 @@ def test_tiny_build_is_deterministic_and_seed_dependent(tiny_dir: Path, tmp_path
     assert sha256_file(again / WEIGHTS_FILE) == sha256_file(tiny_dir / WEIGHTS_FILE)
     assert sha256_file(again / "tokenizer.json") == sha256_file(tiny_dir / "tokenizer.json")
     assert sha256_file(other_seed / WEIGHTS_FILE) != sha256_file(tiny_dir / WEIGHTS_FILE)
+
+
+def test_the_test_model_builds_byte_identical_from_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """The session's test model (under CI built into an empty cache) and a second build into an
+    empty directory: the same bytes, so no machine's cache hides what a new machine would build."""
+    again = prepare_tiny(tmp_path / "tiny")
+    for name in (WEIGHTS_FILE, "tokenizer.json", "config.json"):
+        assert sha256_file(again / name) == sha256_file(tiny_model / name), name
+
+
+def test_the_cache_key_covers_what_shapes_the_weights() -> None:
+    texts = ["a", "b"]
+    key = build_fingerprint(texts, seed=0, warmup_steps=FEW_STEPS)
+    assert key["libraries"] == {"torch": torch.__version__, "transformers": transformers.__version__,
+                                "tokenizers": tokenizers.__version__}
+    assert len(str(key["builder_code_sha256"])) == 64 and key["environment"] == REPRODUCIBLE_ENV
+    others = (build_fingerprint(["a", "c"], 0, FEW_STEPS), build_fingerprint(texts, 1, FEW_STEPS),
+              build_fingerprint(texts, 0, FEW_STEPS + 1))
+    assert all(other != key for other in others)
 
 
 def test_tiny_build_is_reused_when_the_fingerprint_matches(tiny_dir: Path) -> None:

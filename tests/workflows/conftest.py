@@ -1,19 +1,19 @@
-"""The workflow-logic tests talk to their own namespace of the session's dev server (see
-WORKFLOW_LOGIC_NAMESPACE): `temporal_client` here overrides the session one for this folder, and
-`clean_workflows` then cleans that namespace."""
+"""The workflow-logic tests need only the Temporal dev server, and talk to their own namespace of
+it (see WORKFLOW_LOGIC_NAMESPACE): `temporal_client` here overrides the session one for this
+folder, and `clean_workflows` then cleans that namespace."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from temporalio.client import Client
 
-from infra.endpoints import Endpoints
+from infra.stack import Stack
 from tests.conftest import WORKFLOW_LOGIC_NAMESPACE
 
 
 @pytest.fixture(scope="session")
-async def temporal_client(endpoints: Endpoints):  # type: ignore[no-untyped-def]
-    from workers.common import connect
+async def temporal_client(temporal_server: Stack) -> Client:
+    from workers.common import data_converter
 
-    return await connect(dataclasses.replace(endpoints, temporal_namespace=WORKFLOW_LOGIC_NAMESPACE))
+    return await Client.connect(temporal_server.settings.temporal_address, namespace=WORKFLOW_LOGIC_NAMESPACE,
+                                data_converter=data_converter())
