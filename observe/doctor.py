@@ -2,7 +2,7 @@
 each check, whether it is ok, worth a look (warn) or the problem (problem), with the numbers,
 one sentence of verdict and the config change that fixes it.
 
-RL pipelines degrade silently (DESIGN.md §1): a starved trainer, a grader eating the compute, data
+RL pipelines degrade silently (docs/design.md §1): a starved trainer, a grader eating the compute, data
 sitting at the staleness bound or a collapsing entropy all still produce finite losses. The
 triage order goes from plumbing to learning, because a plumbing fault shows up downstream as a
 learning symptom, never the reverse:

@@ -1,6 +1,6 @@
 """Every Prometheus metric of the pipeline, in one place, with the port convention of the workers.
 
-RL fails by silent degradation (DESIGN.md §1): a full buffer, stale data, an idle trainer or a
+RL fails by silent degradation (docs/design.md §1): a full buffer, stale data, an idle trainer or a
 grader eating the compute budget never raise an exception. These metrics make each of them a
 line on a dashboard. Two kinds of source feed them:
 

@@ -115,7 +115,7 @@ def prompt(tiny_dir: Path) -> list[int]:
 
 
 async def sync(admin: InferenceAdmin, weights: Path, version: str, mode: PauseMode) -> None:
-    """The weight-sync sequence of DESIGN §4, as the sync sidecar runs it."""
+    """The weight-sync sequence of docs/design.md §4, as the sync sidecar runs it."""
     await admin.pause(mode)
     try:
         await admin.reload_weights(weights)
