@@ -24,7 +24,7 @@ from security.codec import EncryptionCodec
 
 # Modules that workflow code imports (through `imports_passed_through`) and that must be shared
 # with the worker rather than re-imported in every workflow sandbox.
-WORKFLOW_PASSTHROUGH = ("schemas", "envs", "graders", "sandbox", "workflows.policies")
+WORKFLOW_PASSTHROUGH = ("schemas", "envs", "graders", "sandbox", "workflows.policies", "workflows.admission")
 
 
 def endpoints() -> Endpoints:

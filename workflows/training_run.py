@@ -1,10 +1,8 @@
 """TrainingRunWorkflow: the run's control loop.
 
 Two loops share the run's state:
-- the rollout launcher keeps RolloutGroup children in flight while the staleness budget allows:
-      groups in flight + fresh buffered + consumed < (max_staleness + live_steps + 1) × groups_per_step
-  where live_steps is the trained-step count of the weights the next group will be generated with
-  (AReaL's rule: no trajectory can then be more than max_staleness steps old when trained on);
+- the rollout launcher keeps RolloutGroup children in flight while the staleness budget allows
+  (`workflows.admission`: no trajectory can be more than max_staleness steps old when trained on);
 - the trainer loop runs a train step whenever enough fresh groups are buffered, and syncs every
   server after each step that publishes a checkpoint.
 
@@ -52,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         TrainStepInput,
         sync_queue,
     )
+    from workflows.admission import LauncherLimits, LauncherView, admitted_server
     from workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
     from workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
 
@@ -157,22 +156,13 @@ class TrainingRunWorkflow:
 
     def _launch_server(self) -> str | None:
         """The server the next group should go to, or None if no group may start now."""
-        s, cfg = self.state, self.config
-        if s.paused or len(s.in_flight) >= cfg.rollout.max_concurrent_groups:
-            return None
-        planned = cfg.steps * cfg.rollout.groups_per_step
-        if len(s.in_flight) + s.groups_consumed + self._fresh_ready() >= planned:
-            return None  # enough data is under way for every remaining step
-        usable = [(s.version_steps[v], name) for name, v in sorted(s.server_versions.items())
-                  if s.version_steps[v] >= s.step - s.max_staleness]
-        if not usable:
-            return None  # every server holds weights too old for the next step: wait for a sync
-        live_steps = max(steps for steps, _ in usable)
-        budget = (s.max_staleness + live_steps + 1) * cfg.rollout.groups_per_step
-        if len(s.in_flight) + s.groups_consumed + self._fresh_ready() >= budget:
-            return None
-        freshest = [name for steps, name in usable if steps == live_steps]
-        return freshest[s.next_group_index % len(freshest)]
+        s, rollout = self.state, self.config.rollout
+        view = LauncherView(paused=s.paused, in_flight=len(s.in_flight), consumed=s.groups_consumed,
+                            fresh_ready=self._fresh_ready(), step=s.step, max_staleness=s.max_staleness,
+                            server_steps={name: s.version_steps[v] for name, v in s.server_versions.items()},
+                            next_group_index=s.next_group_index)
+        return admitted_server(view, LauncherLimits(self.config.steps, rollout.groups_per_step,
+                                                    rollout.max_concurrent_groups))
 
     def _failing_every_group(self) -> bool:
         """Has the pause-on-failures count been reached (and the run not paused for it yet)?"""
