@@ -485,3 +485,15 @@ def test_rubric_graders_come_from_the_env_unless_the_config_names_one() -> None:
     client = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: chat_reply("SCORE: 1")))
     rubric, graders = build_rubric_graders(env_rubric, judge_config(), GraderDeps(http_client=client))
     assert dict(rubric.weights) == {"judge": 1.0} and list(graders) == ["judge"]
+
+
+def test_every_invalid_grade_type_is_not_retried() -> None:
+    """Temporal's retry policy matches an error's own class name, not its bases."""
+    import graders.judge  # noqa: F401 - defines subclasses
+    import graders.rules  # noqa: F401
+    from workflows.policies import NON_RETRYABLE
+
+    def subclasses(cls: type) -> set[type]:
+        return {cls} | {sub for direct in cls.__subclasses__() for sub in subclasses(direct)}
+
+    assert {cls.__name__ for cls in subclasses(InvalidGrade)} <= set(NON_RETRYABLE)
