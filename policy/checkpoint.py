@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from storage.digest import sha256_file
+
 WEIGHTS_FILE = "model.safetensors"
 BUILD_MARKER = ".rlpipe-build.json"
 # Everything in a model directory except the weights: what a checkpoint copies from its base.
@@ -29,7 +31,6 @@ MODEL_SIDE_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-_HASH_CHUNK = 1 << 20  # 1 MiB reads keep memory flat for multi-GB files
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,6 @@ class CheckpointInfo:
     path: Path
     sha256: str  # of model.safetensors: the content address of the weights
     size_bytes: int
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in chunks (checkpoints can be larger than memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def weights_sha256(model_dir: Path) -> str:

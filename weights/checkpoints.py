@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from policy.checkpoint import WEIGHTS_FILE
-from storage.object_store import ObjectStore, sha256_file
+from storage.digest import sha256_file
+from storage.object_store import ObjectStore
 
 
 @dataclass(frozen=True)

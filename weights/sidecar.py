@@ -35,7 +35,8 @@ from policy.checkpoint import WEIGHTS_FILE
 from schemas.config import SyncConfig
 from storage import syncs
 from storage.db import Database
-from storage.object_store import DigestMismatch, ObjectStore, sha256_file
+from storage.digest import sha256_file
+from storage.object_store import DigestMismatch, ObjectStore
 from storage.runs import load_run_config, record_failure
 from weights.checkpoints import download_checkpoint, load_manifest, local_version_dir
 from weights.labels import published_label, published_version, verifying_label

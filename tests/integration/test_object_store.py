@@ -12,7 +12,8 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 
 import storage.object_store as object_store_module
-from storage.object_store import DigestMismatch, ObjectStore, ObjectStoreError, sha256_file
+from storage.digest import sha256_file
+from storage.object_store import DigestMismatch, ObjectStore, ObjectStoreError
 
 pytestmark = pytest.mark.stack
 

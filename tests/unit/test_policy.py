@@ -16,7 +16,6 @@ from policy.checkpoint import (
     build_once,
     load_state_dict,
     save_checkpoint,
-    sha256_file,
     weights_sha256,
 )
 from policy.models import prepare_tiny
@@ -28,6 +27,7 @@ from policy.tiny import (
     build_fingerprint,
     build_tiny_llama,
 )
+from storage.digest import sha256_file
 
 FEW_STEPS = 20  # enough to make weights depend on training, fast enough for a unit test
 
