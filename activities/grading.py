@@ -7,15 +7,15 @@ import asyncio
 import sqlalchemy as sa
 from temporalio import activity
 
-from activities.common import heartbeating, instrumented
-from envs.base import Rubric
-from graders.base import Grader, GraderDeps
-from graders.group import grade_group
-from graders.registry import build_rubric_graders
-from rollout.context import RunContexts
-from schemas.payloads import GradeGroupInput, GradeGroupResult
-from schemas.tables import RolloutGroup
-from storage.db import Database
+from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.envs.base import Rubric
+from rlpipe.graders.base import Grader, GraderDeps
+from rlpipe.graders.group import grade_group
+from rlpipe.graders.registry import build_rubric_graders
+from rlpipe.rollout.context import RunContexts
+from rlpipe.schemas.payloads import GradeGroupInput, GradeGroupResult
+from rlpipe.schemas.tables import RolloutGroup
+from rlpipe.storage.db import Database
 
 
 class GradingActivities:

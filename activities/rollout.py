@@ -6,16 +6,16 @@ import asyncio
 
 from temporalio import activity
 
-from activities.common import heartbeating, instrumented
-from inference.client import InferenceClient
-from observe.metrics import METRICS
-from infra.inference import SERVED_MODEL_NAME
-from rl.advantages import compute_advantages
-from rollout.assemble import assemble
-from rollout.context import RunContexts
-from rollout.generation import plan_turn, sample_turn, turn_row
-from rollout.tokens import request_seed
-from schemas.payloads import (
+from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.inference.client import InferenceClient
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.observe.metrics import METRICS
+from rlpipe.rl.advantages import compute_advantages
+from rlpipe.rollout.assemble import assemble
+from rlpipe.rollout.context import RunContexts
+from rlpipe.rollout.generation import plan_turn, sample_turn, turn_row
+from rlpipe.rollout.tokens import request_seed
+from rlpipe.schemas.payloads import (
     FinishGroupInput,
     GenerateInput,
     GenerateResult,
@@ -23,9 +23,9 @@ from schemas.payloads import (
     StartGroupInput,
     StartGroupResult,
 )
-from storage import buffer
-from storage.db import Database
-from weights.labels import settle_completion, verdicts
+from rlpipe.storage import buffer
+from rlpipe.storage.db import Database
+from rlpipe.weights.labels import settle_completion, verdicts
 
 
 class RolloutActivities:
@@ -48,7 +48,7 @@ class RolloutActivities:
     async def start_group(self, inp: StartGroupInput) -> StartGroupResult:
         ctx = self.contexts.get(inp.run_id)
         task = ctx.env.task("train", inp.group_index % ctx.env.size("train"))
-        from policy.chat import chat_prompt_ids
+        from rlpipe.policy.chat import chat_prompt_ids
 
         prompt_ids = chat_prompt_ids(ctx.tokenizer, ctx.env.initial_messages(task))
 

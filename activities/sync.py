@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from temporalio import activity
 
-from activities.common import heartbeating, instrumented
-from schemas.payloads import SyncInput, SyncResult
-from storage.db import Database
-from weights.sidecar import Sidecar
+from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.schemas.payloads import SyncInput, SyncResult
+from rlpipe.storage.db import Database
+from rlpipe.weights.sidecar import Sidecar
 
 
 class SyncActivities:

@@ -7,15 +7,15 @@ import time
 
 from temporalio import activity
 
-from activities.common import heartbeating, instrumented
-from envs.base import Executor
-from envs.toolcalls import ToolCall
-from observe.metrics import METRICS
-from rollout.context import RunContexts
-from sandbox.latency import LatencyInjector
-from schemas.payloads import ToolInput, ToolResult
-from storage import buffer
-from storage.db import Database
+from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.envs.base import Executor
+from rlpipe.envs.toolcalls import ToolCall
+from rlpipe.observe.metrics import METRICS
+from rlpipe.rollout.context import RunContexts
+from rlpipe.sandbox.latency import LatencyInjector
+from rlpipe.schemas.payloads import ToolInput, ToolResult
+from rlpipe.storage import buffer
+from rlpipe.storage.db import Database
 
 
 class ToolActivities:

@@ -6,11 +6,11 @@ import asyncio
 
 from temporalio import activity
 
-from activities.common import heartbeating, instrumented
-from observe.metrics import METRICS
-from schemas.payloads import InitPolicyInput, PublishedVersion, StepSummary, TrainStepInput
-from storage.db import Database
-from trainer.trainer import Trainer
+from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.observe.metrics import METRICS
+from rlpipe.schemas.payloads import InitPolicyInput, PublishedVersion, StepSummary, TrainStepInput
+from rlpipe.storage.db import Database
+from rlpipe.trainer.trainer import Trainer
 
 
 class TrainingActivities:

@@ -27,10 +27,10 @@ from typing import get_args
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rl.batch import Sample, TrainBatch, collate
-from rl.batching import assign_advantages, pack_by_tokens, per_micro_batch_stats, plan_step
-from rl.step import make_optimizer, train_step
-from schemas.algorithm import AdvantageConfig, Aggregation, BatchConfig, LossConfig, OptimConfig
+from rlpipe.rl.batch import Sample, TrainBatch, collate
+from rlpipe.rl.batching import assign_advantages, pack_by_tokens, per_micro_batch_stats, plan_step
+from rlpipe.rl.step import make_optimizer, train_step
+from rlpipe.schemas.algorithm import AdvantageConfig, Aggregation, BatchConfig, LossConfig, OptimConfig
 
 EOS, BOS, VOCAB = 10, 11, 12      # tokens 0..9 are digits
 MAX_NEW_TOKENS = 8                # sampler's max_tokens

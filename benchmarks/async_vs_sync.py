@@ -89,7 +89,7 @@ class RunMeasure:
 def measure_run(db, run_id: str, wall_s: float, mode: str) -> RunMeasure:  # type: ignore[no-untyped-def]
     import sqlalchemy as sa
 
-    from observe.queries import box_usage, staleness_histogram, step_metrics, sync_share, sync_timings
+    from rlpipe.observe.queries import box_usage, staleness_histogram, step_metrics, sync_share, sync_timings
 
     with db.begin() as s:
         steps = step_metrics(s, run_id)
@@ -108,7 +108,7 @@ def measure_run(db, run_id: str, wall_s: float, mode: str) -> RunMeasure:  # typ
 
 
 async def run_once(client, db, cfg) -> RunMeasure:  # type: ignore[no-untyped-def]
-    from workers.run_commands import start_run
+    from rlpipe.cli.run_commands import start_run
 
     t0 = time.perf_counter()
     await asyncio.wait_for((await start_run(client, cfg)).result(), 1200)
@@ -116,9 +116,9 @@ async def run_once(client, db, cfg) -> RunMeasure:  # type: ignore[no-untyped-de
 
 
 async def run_all(model: Path, stack, steps: int, repeats: int, labels: list[str]) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    from infra.endpoints import resolve_endpoints
-    from storage.db import Database
-    from workers.common import connect
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.storage.db import Database
+    from rlpipe.workers.common import connect
 
     endpoints = resolve_endpoints(stack.settings)
     client, db = await connect(endpoints), Database(endpoints.database_url)
@@ -205,8 +205,8 @@ def plot_rewards(runs: dict[str, list[RunMeasure]], labels: list[str], path: Pat
 def trainer_efficiency_in(stack, run_ids: list[str], model: Path) -> None:  # type: ignore[no-untyped-def]
     """Item 4 on the same stack: the sync runs' trainer steps against a bare loop on their batches."""
     from benchmarks.trainer_efficiency import record
-    from infra.endpoints import resolve_endpoints
-    from storage.db import Database
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.storage.db import Database
 
     db = Database(resolve_endpoints(stack.settings).database_url)
     try:

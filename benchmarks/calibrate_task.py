@@ -52,18 +52,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable as a plain script from anywhere
     sys.path.insert(0, str(REPO))
 
-from envs.base import Environment, Task  # noqa: E402
-from envs.registry import build_environment  # noqa: E402
-from envs.toolcalls import ToolCalls  # noqa: E402
-from graders.base import Grader, GraderDeps  # noqa: E402
-from graders.registry import build_rubric_graders  # noqa: E402
-
-from inference.client import InferenceClient  # noqa: E402
-from infra.process import free_port  # noqa: E402
-from infra.vllm import vllm_command, wait_healthy  # noqa: E402
-from policy.chat import chat_prompt_ids, load_tokenizer  # noqa: E402
-from rollout.tokens import observation_ids, request_seed  # noqa: E402
-from schemas.task import ArithmeticDifficulty, EnvConfig, GraderConfig  # noqa: E402
+from rlpipe.envs.base import Environment, Task  # noqa: E402
+from rlpipe.envs.registry import build_environment  # noqa: E402
+from rlpipe.envs.toolcalls import ToolCalls  # noqa: E402
+from rlpipe.graders.base import Grader, GraderDeps  # noqa: E402
+from rlpipe.graders.registry import build_rubric_graders  # noqa: E402
+from rlpipe.inference.client import InferenceClient  # noqa: E402
+from rlpipe.infra.process import free_port  # noqa: E402
+from rlpipe.infra.vllm import vllm_command, wait_healthy  # noqa: E402
+from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer  # noqa: E402
+from rlpipe.rollout.tokens import observation_ids, request_seed  # noqa: E402
+from rlpipe.schemas.task import ArithmeticDifficulty, EnvConfig, GraderConfig  # noqa: E402
 
 SERVED_MODEL_NAME = "policy"
 DEFAULT_MODEL_DIR = REPO / ".rlpipe" / "models" / "smollm2"
@@ -344,10 +343,10 @@ def measure_trainer_step(model_dir: Path, episodes: list[Episode], group_size: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl.batch import Sample
-    from rl.batching import plan_step
-    from rl.step import make_optimizer, train_step
-    from schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
+    from rlpipe.rl.batch import Sample
+    from rlpipe.rl.batching import plan_step
+    from rlpipe.rl.step import make_optimizer, train_step
+    from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
 
     by_group: dict[int, list[Episode]] = {}
     for e in episodes:
@@ -465,7 +464,7 @@ def main() -> None:
     chosen = [table[n] for n in names]
 
     if not (args.model_dir / "config.json").exists():
-        from policy.models import prepare_smollm2
+        from rlpipe.policy.models import prepare_smollm2
 
         print(f"preparing SmolLM2 in {args.model_dir} ...")
         prepare_smollm2(args.model_dir)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     payload = {"benchmark": name, "command": f".venv/bin/python -m benchmarks.{name}",
-               "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
                "machine": machine(), **data}
     path.write_text(json.dumps(payload, indent=2, default=_jsonable))
     return path
@@ -89,13 +89,13 @@ def _jsonable(obj: Any) -> Any:
 
 def tiny_model() -> Path:
     """The tiny test model (`rlpipe model prepare tiny`), built once and reused."""
-    from policy.models import prepare_tiny
+    from rlpipe.policy.models import prepare_tiny
 
     return prepare_tiny(MODELS / "tiny")
 
 
 def smollm2_model() -> Path:
-    from policy.models import prepare_smollm2
+    from rlpipe.policy.models import prepare_smollm2
 
     return prepare_smollm2(MODELS / "smollm2")
 
@@ -108,12 +108,12 @@ def private_stack(inference_model: Path | None = None, workers: bool = False,
     stopped and removed, even on failure."""
     from alembic import command
 
-    from infra.endpoints import resolve_endpoints
-    from infra.settings import save_settings
-    from infra.stack import Stack
-    from migrations import alembic_config
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.infra.settings import save_settings
+    from rlpipe.infra.stack import Stack
+    from rlpipe.migrations import alembic_config
+    from rlpipe.workers.launcher import WorkerSet
     from tests.conftest import test_stack_settings
-    from workers.launcher import WorkerSet
 
     quiet = lambda msg: None  # noqa: E731
     home = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))

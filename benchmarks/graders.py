@@ -30,8 +30,8 @@ CONCURRENCY = (1, 4, 16)
 
 def responses(env_name: str, n: int, salt: str) -> list[tuple[Any, str]]:
     """(task, response) pairs: even ones right, odd ones wrong; `salt` makes every key new (cold cache)."""
-    from envs.registry import build_environment
-    from schemas.task import EnvConfig
+    from rlpipe.envs.registry import build_environment
+    from rlpipe.schemas.task import EnvConfig
 
     env = build_environment(EnvConfig(name=env_name))
     out = []
@@ -45,7 +45,7 @@ def responses(env_name: str, n: int, salt: str) -> list[tuple[Any, str]]:
 
 async def grade_all(grader, cache, items: list[tuple[Any, str]], concurrency: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
     """Wall seconds to grade every item, at most `concurrency` at once; and the cache hits."""
-    from graders.cache import grade_with_cache
+    from rlpipe.graders.cache import grade_with_cache
 
     gate, hits = asyncio.Semaphore(concurrency), 0
 
@@ -61,14 +61,14 @@ async def grade_all(grader, cache, items: list[tuple[Any, str]], concurrency: in
 
 
 async def measure(database_url: str, repeats: int) -> dict[str, Any]:
-    from graders.base import GraderDeps
-    from graders.registry import build_grader
-    from sandbox.config import SandboxConfig
-    from sandbox.executor import SandboxExecutor
-    from sandbox.runner import Sandbox
-    from schemas.task import GraderConfig
-    from storage.db import Database
-    from storage.grader_cache import PostgresGradeCache
+    from rlpipe.graders.base import GraderDeps
+    from rlpipe.graders.registry import build_grader
+    from rlpipe.sandbox.config import SandboxConfig
+    from rlpipe.sandbox.executor import SandboxExecutor
+    from rlpipe.sandbox.runner import Sandbox
+    from rlpipe.schemas.task import GraderConfig
+    from rlpipe.storage.db import Database
+    from rlpipe.storage.grader_cache import PostgresGradeCache
 
     db, raw = Database(database_url), {}
     async with Sandbox(SandboxConfig()) as sandbox:
@@ -99,7 +99,7 @@ async def measure(database_url: str, repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from infra.endpoints import resolve_endpoints
+    from rlpipe.infra.endpoints import resolve_endpoints
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)

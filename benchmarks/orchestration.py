@@ -91,11 +91,9 @@ async def measure(address: str, default_sqlite_address: str, namespace: str, rep
     from statistics import median
 
     from temporalio.client import Client
-    from temporalio.worker import Worker
+    from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
     from benchmarks.common import progress_bar, summarize
-
-    from temporalio.worker import UnsandboxedWorkflowRunner
 
     client = await Client.connect(address, namespace=namespace)
     default_sqlite_client = await Client.connect(default_sqlite_address, namespace=namespace)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envs.toolcalls import INTEGER_ANSWER, extract_answer
+from rlpipe.envs.toolcalls import INTEGER_ANSWER, extract_answer
 
 NAME = "trl_grpo"
 TRL_PYTHON = Path(__file__).resolve().parents[1] / ".venv-trl" / "bin" / "python"
@@ -124,7 +124,7 @@ def _version(package: str) -> str:
 
 def run_trl(model: Path, cfg, warmup: int, steps: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """TRL's side in .venv-trl, on the run config's prompts (written by rlpipe's own environment)."""
-    from envs.registry import build_environment
+    from rlpipe.envs.registry import build_environment
 
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-trl-venv` first")
@@ -148,12 +148,12 @@ def run_rlpipe(model: Path, steps: int, repeats: int) -> dict[str, list[dict[str
     import asyncio
 
     from benchmarks.common import private_stack, progress_bar
-    from infra.endpoints import resolve_endpoints
-    from observe.queries import step_metrics
-    from storage.db import Database
+    from rlpipe.cli.run_commands import start_run
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.observe.queries import step_metrics
+    from rlpipe.storage.db import Database
+    from rlpipe.workers.common import connect
     from tests.integration.runs import tiny_config
-    from workers.common import connect
-    from workers.run_commands import start_run
 
     async def runs(stack) -> dict[str, list[dict[str, Any]]]:  # type: ignore[no-untyped-def]
         endpoints = resolve_endpoints(stack.settings)

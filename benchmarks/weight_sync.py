@@ -82,7 +82,7 @@ def transfer_once(store, source: Path, scratch: Path) -> dict[str, float]:  # ty
     """Seconds of: a copy from a cold source, an upload (fresh run id, so nothing is deduplicated),
     a verified download, and a copy from a hot source. The cold copy comes first and warms the
     source, so the upload, like the hot copy, reads it from the page cache."""
-    from weights.checkpoints import download_checkpoint, upload_checkpoint
+    from rlpipe.weights.checkpoints import download_checkpoint, upload_checkpoint
 
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     evict(source)
@@ -152,9 +152,9 @@ def perturbed_checkpoints(base: Path, scratch: Path, n: int = 2) -> list[Checkpo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from policy.chat import load_tokenizer
-    from policy.checkpoint import load_state_dict, save_checkpoint
-    from trainer.probe import make_probe, probe_ids
+    from rlpipe.policy.chat import load_tokenizer
+    from rlpipe.policy.checkpoint import load_state_dict, save_checkpoint
+    from rlpipe.trainer.probe import make_probe, probe_ids
 
     ids = probe_ids(load_tokenizer(base))
     state = load_state_dict(base)
@@ -173,10 +173,10 @@ def perturbed_checkpoints(base: Path, scratch: Path, n: int = 2) -> list[Checkpo
 def publish(db, store, model: Path, mode: str, checkpoint: Checkpoint) -> tuple[str, float]:  # type: ignore[no-untyped-def]
     """Version 0 of a new run (pause mode `mode`), published as the trainer does: the files to S3
     (on a sync's critical path, so timed), then the version row. Returns (run id, upload seconds)."""
-    from schemas.config import RunConfig
-    from schemas.tables import PolicyVersion
-    from storage.runs import register_run
-    from weights.checkpoints import manifest_key, upload_checkpoint
+    from rlpipe.schemas.config import RunConfig
+    from rlpipe.schemas.tables import PolicyVersion
+    from rlpipe.storage.runs import register_run
+    from rlpipe.weights.checkpoints import manifest_key, upload_checkpoint
 
     config = RunConfig.model_validate({"name": f"bench-sync-{uuid.uuid4().hex[:8]}", "model": {"path": str(model)},
                                        "sync": {"pause_mode": mode}})
@@ -194,7 +194,7 @@ def publish(db, store, model: Path, mode: str, checkpoint: Checkpoint) -> tuple[
 def place_for_sidecar(checkpoint: Checkpoint, shared: Path, run_id: str) -> None:
     """Where a co-located trainer leaves a published version (it renames its directory there):
     hard links, so nothing is copied."""
-    from weights.checkpoints import local_version_dir
+    from rlpipe.weights.checkpoints import local_version_dir
 
     directory = local_version_dir(shared, run_id, 0)
     directory.mkdir(parents=True)
@@ -205,11 +205,11 @@ def place_for_sidecar(checkpoint: Checkpoint, shared: Path, run_id: str) -> None
 async def measure_syncs(stack, model: Path, checkpoints: list[Checkpoint], repeats: int,  # type: ignore[no-untyped-def]
                         scratch: Path) -> list[dict[str, Any]]:
     """Syncs into the stack's server through each path in turn (one unrecorded warm-up first)."""
-    from infra.endpoints import resolve_endpoints
-    from infra.inference import SERVED_MODEL_NAME
-    from storage.db import Database
-    from storage.object_store import ObjectStore
-    from weights.sidecar import Sidecar
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.infra.inference import SERVED_MODEL_NAME
+    from rlpipe.storage.db import Database
+    from rlpipe.storage.object_store import ObjectStore
+    from rlpipe.weights.sidecar import Sidecar
 
     endpoints = resolve_endpoints(stack.settings)
     db, store = Database(endpoints.database_url), ObjectStore.from_endpoints(endpoints)
@@ -258,8 +258,8 @@ def sync_table(syncs: list[dict[str, Any]], floors: dict[str, float]) -> dict[st
 
 
 def main() -> None:
-    from infra.endpoints import resolve_endpoints
-    from storage.object_store import ObjectStore
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.storage.object_store import ObjectStore
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="transfer repeats per model")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from infra.settings import StackSettings
+from rlpipe.infra.settings import StackSettings
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class Endpoints:
 
 
 def resolve_endpoints(settings: StackSettings) -> Endpoints:
-    from infra.postgres import PostgresService
-    from infra.seaweed import SeaweedService
+    from rlpipe.infra.postgres import PostgresService
+    from rlpipe.infra.seaweed import SeaweedService
 
     if settings.external_database_url is not None:
         database_url = normalise_database_url(settings.external_database_url)
@@ -105,7 +105,7 @@ def _check_database(url: str) -> None:
 
 
 def _check_s3(settings: StackSettings) -> None:
-    from storage.object_store import ObjectStore
+    from rlpipe.storage.object_store import ObjectStore
 
     ObjectStore.from_endpoints(resolve_endpoints(settings)).check()
 

@@ -6,9 +6,9 @@ endpoints that weight syncs use; `infra/vllm.py` holds the command line and its 
 
 from __future__ import annotations
 
-from infra.service import HealthError, Launch, Service
-from infra.settings import StackSettings
-from infra.vllm import vllm_command
+from rlpipe.infra.service import HealthError, Launch, Service
+from rlpipe.infra.settings import StackSettings
+from rlpipe.infra.vllm import vllm_command
 
 SERVED_MODEL_NAME = "policy"
 

@@ -15,8 +15,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from infra.process import as_user
-from infra.service import HealthError, Launch, Service
+from rlpipe.infra.process import as_user
+from rlpipe.infra.service import HealthError, Launch, Service
 
 SYSTEM_USER = "rlpipe"
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import sys
 from pathlib import Path
 
-from infra.service import HealthError, Launch, Service
+from rlpipe.infra.service import HealthError, Launch, Service
 
 
 class SeaweedService(Service):
@@ -46,14 +47,15 @@ class SeaweedService(Service):
         if not self.credentials_file.exists():
             config = {"identities": [{
                 "name": "rlpipe",
-                "credentials": [{"accessKey": "rlpipe-" + secrets.token_hex(4), "secretKey": secrets.token_urlsafe(24)}],
+                "credentials": [{"accessKey": "rlpipe-" + secrets.token_hex(4),
+                                 "secretKey": secrets.token_urlsafe(24)}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             }]}
             self.credentials_file.write_text(json.dumps(config))
             self.credentials_file.chmod(0o600)
 
     def launch(self) -> Launch:
-        weed = shutil.which("weed") or str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "weed")
+        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")  # the venv's bin, off PATH
         s, p = self.settings, self.internal_ports()
         return Launch(argv=[
             weed, "server", "-dir", str(self.dir / "data"), "-ip", s.host, "-ip.bind", s.host,

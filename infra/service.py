@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.settings import StackSettings
+from rlpipe.infra.settings import StackSettings
 
 
 class HealthError(RuntimeError):

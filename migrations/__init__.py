@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from alembic.config import Config
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(str(resources.files(__name__)))  # env.py, script.py.mako and versions/ ship in the package
 
 
 def alembic_config(database_url: str) -> Config:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from schemas.tables import Base
+from rlpipe.schemas.tables import Base
 
 MIGRATION_LOCK = 7_231_001  # arbitrary advisory-lock id owned by rlpipe migrations
 
@@ -32,6 +32,17 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
+def run_migrations_offline() -> None:
+    """Write the migrations as one SQL script (`alembic upgrade --sql`), for a DBA who applies them
+    by hand to a managed Postgres; nothing is connected to."""
+    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+    context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
+                      dialect_opts={"paramstyle": "named"})
+    with context.begin_transaction():
+        context.run_migrations()
+
+
 if context.is_offline_mode():
-    raise SystemExit("offline (SQL script) migrations are not supported; run `rlpipe db upgrade`")
-run_migrations_online()
+    run_migrations_offline()
+else:
+    run_migrations_online()

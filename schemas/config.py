@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sandbox.latency import LatencyModel, NoLatency
-from schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
-from schemas.task import EnvConfig, GraderConfig
+from rlpipe.sandbox.latency import LatencyModel, NoLatency
+from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
+from rlpipe.schemas.task import EnvConfig, GraderConfig
 
 RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 

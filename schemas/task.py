@@ -49,7 +49,7 @@ class EnvConfig(BaseModel):
     name: str = "arithmetic"
     """Registered environment: 'arithmetic', 'arithmetic_plain' (same questions, plain-number
     answers), 'calculator', 'code', or one added with
-    `envs.registry.register_environment`."""
+    `rlpipe.envs.registry.register_environment`."""
     seed: int = 0
     """Seed of the prompt sets; the same seed gives the same train and eval questions in every process."""
     train_size: int = Field(10_000, ge=1)
@@ -57,7 +57,8 @@ class EnvConfig(BaseModel):
     eval_size: int = Field(200, ge=0)
     """Number of eval prompts; no eval question ever appears in the train set."""
     difficulty: ArithmeticDifficulty | None = None
-    """Question knobs for 'arithmetic', 'arithmetic_plain' and 'calculator', replacing the environment's default as a whole;
+    """Question knobs for 'arithmetic', 'arithmetic_plain' and 'calculator', replacing the environment's default
+    as a whole;
     None keeps the default (arithmetic: 2 operands of 1-2 digits with + and -; calculator: 3 operands
     of 2-3 digits with +, - and *)."""
     max_turns: int | None = Field(None, ge=1, le=64)
@@ -72,13 +73,13 @@ class EnvConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str) -> str:
-        from envs.registry import known_environments  # lazy: envs imports this module
+        from rlpipe.envs.registry import known_environments  # lazy: envs imports this module
 
         known = known_environments()
         if name not in known:
             raise ValueError(
                 f"env.name {name!r} is not a registered environment: use one of {', '.join(known)} "
-                "or register yours with envs.registry.register_environment"
+                "or register yours with rlpipe.envs.registry.register_environment"
             )
         return name
 
@@ -198,7 +199,8 @@ class GraderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str | None = None
-    """A registered grader ('answer_match', 'final_number', 'code_tests', 'judge'); None uses the environment's rubric."""
+    """A registered grader ('answer_match', 'final_number', 'code_tests', 'judge'); None uses the environment's
+    rubric."""
     judge: JudgeConfig | None = None
     """Judge endpoint and parsing; required when the judge grades (name 'judge')."""
     concurrency: int = Field(8, ge=1)
@@ -209,7 +211,7 @@ class GraderConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str | None) -> str | None:
-        from graders.registry import (
+        from rlpipe.graders.registry import (
             known_graders,  # lazy: keeps schemas free of grader imports
         )
 

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.endpoints import Endpoints, resolve_endpoints
-from infra.process import port_holder
-from infra.settings import LOOPBACK, StackSettings
-from infra.stack import Stack
-
+from rlpipe.infra.endpoints import Endpoints, resolve_endpoints
+from rlpipe.infra.process import port_holder
+from rlpipe.infra.settings import LOOPBACK, StackSettings
+from rlpipe.infra.stack import Stack
 
 WORKFLOW_LOGIC_NAMESPACE = "rlpipe-workflow-logic"
 """Where tests/workflows run their fake activities: the session's real workers poll the same task
@@ -97,8 +96,8 @@ def endpoints(stack: Stack) -> Endpoints:
 def migrated_db(endpoints: Endpoints):  # type: ignore[no-untyped-def]
     from alembic import command
 
-    from migrations import alembic_config
-    from storage.db import Database
+    from rlpipe.migrations import alembic_config
+    from rlpipe.storage.db import Database
 
     command.upgrade(alembic_config(endpoints.database_url), "head")
     db = Database(endpoints.database_url)
@@ -108,14 +107,14 @@ def migrated_db(endpoints: Endpoints):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def object_store(endpoints: Endpoints):  # type: ignore[no-untyped-def]
-    from storage.object_store import ObjectStore
+    from rlpipe.storage.object_store import ObjectStore
 
     return ObjectStore.from_endpoints(endpoints)
 
 
 @pytest.fixture(scope="session")
 async def temporal_client(endpoints: Endpoints):  # type: ignore[no-untyped-def]
-    from workers.common import connect
+    from rlpipe.workers.common import connect
 
     return await connect(endpoints)
 
@@ -140,7 +139,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny test model, reused across local sessions through the cache dir. Under CI it is
     built into an empty directory, so CI sees what a new machine sees (the build is reproducible
     byte for byte: tests/unit/test_policy.py checks a fresh build against this one)."""
-    from policy.models import prepare_tiny
+    from rlpipe.policy.models import prepare_tiny
 
     return prepare_tiny(test_cache(tmp_path_factory) / "models" / "tiny")
 
@@ -160,7 +159,7 @@ test_cache.__test__ = False  # a helper, not a test
 @pytest.fixture(scope="session")
 def inference_servers(stack: Stack, tiny_model: Path) -> list[str]:
     """One real vLLM server with the tiny model, on the session stack; its URL."""
-    from infra.settings import save_settings
+    from rlpipe.infra.settings import save_settings
 
     stack.settings.inference_servers = 1
     stack.settings.inference_model = tiny_model
@@ -174,7 +173,7 @@ def inference_servers(stack: Stack, tiny_model: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def pipeline_workers(stack: Stack, inference_servers: list[str]):  # type: ignore[no-untyped-def]
     """The real worker processes (rollout, sandbox, grader, trainer, sync sidecar) on the stack."""
-    from workers.launcher import WorkerSet
+    from rlpipe.workers.launcher import WorkerSet
 
     workers = WorkerSet(stack.settings)
     workers.up(progress=lambda msg: None)

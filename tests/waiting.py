@@ -13,8 +13,8 @@ import asyncio
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError
 
-from schemas.payloads import RunResult, RunStatus
-from workflows.training_run import TrainingRunWorkflow
+from rlpipe.schemas.payloads import RunResult, RunStatus
+from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 POLL_S = 1.0
 

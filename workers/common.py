@@ -12,19 +12,20 @@ import logging
 import time
 
 from temporalio.client import Client
-from temporalio.runtime import Runtime
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
+from temporalio.runtime import Runtime
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from infra.endpoints import Endpoints, resolve_endpoints
-from infra.process import free_port
-from infra.settings import load_settings
-from security.codec import EncryptionCodec
+from rlpipe.infra.endpoints import Endpoints, resolve_endpoints
+from rlpipe.infra.process import free_port
+from rlpipe.infra.settings import load_settings
+from rlpipe.security.codec import EncryptionCodec
 
 # Modules that workflow code imports (through `imports_passed_through`) and that must be shared
 # with the worker rather than re-imported in every workflow sandbox.
-WORKFLOW_PASSTHROUGH = ("schemas", "envs", "graders", "sandbox", "workflows.policies", "workflows.admission")
+WORKFLOW_PASSTHROUGH = ("rlpipe.schemas", "rlpipe.envs", "rlpipe.graders", "rlpipe.sandbox",
+                        "rlpipe.workflows.policies", "rlpipe.workflows.admission")
 
 
 def endpoints() -> Endpoints:
@@ -61,7 +62,7 @@ async def connect(ep: Endpoints, runtime: Runtime | None = None, wait_s: float =
 def start_metrics(name: str, kind: str, boxes: tuple[str, ...], server: str | None = None) -> Runtime:
     """Serve this worker's Prometheus metrics and build the Temporal runtime that serves the SDK's.
     The bound ports are written to `<home>/workers/<name>.metrics` for scrapers and tests."""
-    from observe.metrics import METRICS, metrics_port, sdk_metrics_port, serve_metrics, temporal_runtime
+    from rlpipe.observe.metrics import METRICS, metrics_port, sdk_metrics_port, serve_metrics, temporal_runtime
 
     settings = load_settings()
     METRICS.tracker.declare(*boxes)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import httpx
 from temporalio.worker import Worker
 
-from activities.evaluation import EvaluationActivities
-from activities.grading import GradingActivities
-from graders.base import GraderDeps
-from rollout.context import RunContexts
-from sandbox.config import SandboxConfig
-from sandbox.executor import SandboxExecutor
-from sandbox.runner import Sandbox
-from schemas.payloads import GRADER_QUEUE
-from storage.db import Database
-from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
+from rlpipe.activities.evaluation import EvaluationActivities
+from rlpipe.activities.grading import GradingActivities
+from rlpipe.graders.base import GraderDeps
+from rlpipe.rollout.context import RunContexts
+from rlpipe.sandbox.config import SandboxConfig
+from rlpipe.sandbox.executor import SandboxExecutor
+from rlpipe.sandbox.runner import Sandbox
+from rlpipe.schemas.payloads import GRADER_QUEUE
+from rlpipe.storage.db import Database
+from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
 
 
 async def run_grader_worker(max_concurrent_groups: int = 32) -> None:

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.process import ProcessRecord, ProcessTable, spawn, stop
-from infra.settings import StackSettings
+from rlpipe.infra.process import ProcessRecord, ProcessTable, spawn, stop
+from rlpipe.infra.settings import StackSettings
 
 KINDS = ("rollout", "sandbox", "grader", "trainer")
 
@@ -25,7 +25,9 @@ class WorkerSpec:
 
 
 def worker_specs(servers: list[str]) -> list[WorkerSpec]:
-    base = [sys.executable, "-m", "workers.main"]
+    # -P: the caller's working directory is not put on sys.path, so a folder of theirs named like a
+    # package (rlpipe, envs, ...) cannot shadow ours; relative paths in run configs still resolve there
+    base = [sys.executable, "-P", "-m", "rlpipe.workers.main"]
     specs = [WorkerSpec(kind, [*base, kind]) for kind in KINDS]
     specs += [WorkerSpec(f"sidecar-{server}", [*base, "sidecar", "--server", server]) for server in servers]
     return specs

@@ -1,4 +1,4 @@
-"""`python -m workers.main KIND`: run one worker in the foreground (what `rlpipe workers up` starts)."""
+"""`python -m rlpipe.workers.main KIND`: run one worker in the foreground (what `rlpipe workers up` starts)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the sidecar needs --server ID (the inference server it syncs)")
     # each worker imports only what it needs: the trainer pulls torch, the sidecar does not
     if args.kind == "rollout":
-        from workers.rollout import run_rollout_worker as run
+        from rlpipe.workers.rollout import run_rollout_worker as run
     elif args.kind == "sandbox":
-        from workers.sandbox import run_sandbox_worker as run
+        from rlpipe.workers.sandbox import run_sandbox_worker as run
     elif args.kind == "grader":
-        from workers.grader import run_grader_worker as run
+        from rlpipe.workers.grader import run_grader_worker as run
     elif args.kind == "trainer":
-        from workers.trainer import run_trainer_worker as run
+        from rlpipe.workers.trainer import run_trainer_worker as run
     else:
-        from workers.sidecar import run_sidecar_worker
+        from rlpipe.workers.sidecar import run_sidecar_worker
 
         asyncio.run(run_sidecar_worker(args.server))
         return

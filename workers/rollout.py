@@ -7,15 +7,22 @@ import asyncio
 
 from temporalio.worker import Worker
 
-from activities.bookkeeping import BookkeepingActivities
-from activities.rollout import RolloutActivities
-from rollout.context import RunContexts
-from schemas.payloads import ROLLOUT_QUEUE, WORKFLOW_QUEUE
-from storage.db import Database
-from workers.common import (WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging,
-                            start_metrics, workflow_runner)
-from workflows.rollout_group import RolloutGroupWorkflow
-from workflows.training_run import TrainingRunWorkflow
+from rlpipe.activities.bookkeeping import BookkeepingActivities
+from rlpipe.activities.rollout import RolloutActivities
+from rlpipe.rollout.context import RunContexts
+from rlpipe.schemas.payloads import ROLLOUT_QUEUE, WORKFLOW_QUEUE
+from rlpipe.storage.db import Database
+from rlpipe.workers.common import (
+    WORKER_CONNECT_WAIT_S,
+    connect,
+    endpoints,
+    server_urls,
+    setup_logging,
+    start_metrics,
+    workflow_runner,
+)
+from rlpipe.workflows.rollout_group import RolloutGroupWorkflow
+from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 
 async def run_rollout_worker(max_concurrent_generations: int = 256) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from temporalio.worker import Worker
 
-from activities.tools import ToolActivities
-from rollout.context import RunContexts
-from sandbox.config import SandboxConfig
-from sandbox.executor import SandboxExecutor
-from sandbox.runner import Sandbox
-from schemas.payloads import SANDBOX_QUEUE
-from storage.db import Database
-from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
+from rlpipe.activities.tools import ToolActivities
+from rlpipe.rollout.context import RunContexts
+from rlpipe.sandbox.config import SandboxConfig
+from rlpipe.sandbox.executor import SandboxExecutor
+from rlpipe.sandbox.runner import Sandbox
+from rlpipe.schemas.payloads import SANDBOX_QUEUE
+from rlpipe.storage.db import Database
+from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
 
 
 async def run_sandbox_worker(max_concurrent_tools: int = 64) -> None:

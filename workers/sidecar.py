@@ -16,16 +16,16 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.sync import SyncActivities
-from infra.inference import SERVED_MODEL_NAME
-from infra.settings import load_settings
-from schemas.payloads import ServerState, sync_queue
-from storage.db import Database
-from storage.object_store import ObjectStore
-from storage.syncs import run_workflow_id
-from weights.sidecar import Sidecar, StateListener
-from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
-from workflows.training_run import SERVER_STATE_SIGNAL
+from rlpipe.activities.sync import SyncActivities
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.settings import load_settings
+from rlpipe.schemas.payloads import ServerState, sync_queue
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.syncs import run_workflow_id
+from rlpipe.weights.sidecar import Sidecar, StateListener
+from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
+from rlpipe.workflows.training_run import SERVER_STATE_SIGNAL
 
 SHARED_CHECKPOINTS_ENV = "RLPIPE_SHARED_CHECKPOINTS"
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from temporalio.worker import Worker
 
-from activities.training import TrainingActivities
-from rollout.context import RunContexts
-from schemas.payloads import TRAINER_QUEUE
-from storage.db import Database
-from storage.object_store import ObjectStore
-from trainer.trainer import Trainer
-from infra.settings import load_settings
-from observe.metrics import METRICS, start_db_refresh
-from workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
+from rlpipe.activities.training import TrainingActivities
+from rlpipe.infra.settings import load_settings
+from rlpipe.observe.metrics import METRICS, start_db_refresh
+from rlpipe.rollout.context import RunContexts
+from rlpipe.schemas.payloads import TRAINER_QUEUE
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
+from rlpipe.trainer.trainer import Trainer
+from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
 
 
 async def run_trainer_worker() -> None:

@@ -17,7 +17,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from schemas.payloads import (
+    from rlpipe.schemas.payloads import (
         GRADER_QUEUE,
         ROLLOUT_QUEUE,
         SANDBOX_QUEUE,
@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ToolInput,
         ToolResult,
     )
-    from workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
+    from rlpipe.workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
 
 GROUP_FINISHED_SIGNAL = "group_finished"
 
@@ -60,7 +60,7 @@ class RolloutGroupWorkflow:
         deadline_passed = False
         try:
             await workflow.wait_condition(enough, timeout=timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             deadline_passed = True
         for task in samples:  # hedged extras and stragglers are not waited for
             task.cancel()

@@ -24,8 +24,8 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from schemas.config import RunConfig, describe_validation_error
-    from schemas.payloads import (
+    from rlpipe.schemas.config import RunConfig, describe_validation_error
+    from rlpipe.schemas.payloads import (
         GRADER_QUEUE,
         TRAINER_QUEUE,
         WORKFLOW_QUEUE,
@@ -50,9 +50,9 @@ with workflow.unsafe.imports_passed_through():
         TrainStepInput,
         sync_queue,
     )
-    from workflows.admission import LauncherLimits, LauncherView, admitted_server
-    from workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
-    from workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
+    from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server
+    from rlpipe.workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
+    from rlpipe.workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
 
 RUN_NAME = SearchAttributeKey.for_keyword("RunName")
 MODE = SearchAttributeKey.for_keyword("Mode")
@@ -266,8 +266,9 @@ class TrainingRunWorkflow:
             else:
                 why = outcome.error if isinstance(outcome, SyncResult) else _describe(outcome)
                 await workflow.execute_activity(
-                    "record_failure", FailureRecord(self.config.name, "sync", f"server {server} did not take "
-                                                    f"version {version}: {why}", workflow_id=workflow.info().workflow_id,
+                    "record_failure", FailureRecord(self.config.name, "sync",
+                                                    f"server {server} did not take version {version}: {why}",
+                                                    workflow_id=workflow.info().workflow_id,
                                                     activity_id=f"sync-{server}-v{version}"),
                     task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
         self._publish_attributes()

@@ -16,11 +16,11 @@ import pytest
 from rich.console import Console
 from temporalio.client import Client
 
-from infra.stack import Stack
-from storage.db import Database
-from storage.object_store import ObjectStore
+from rlpipe.cli.chaos import Monkey, invariant_table, plan, plan_table, run_under_chaos
+from rlpipe.infra.stack import Stack
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
 from tests.integration.runs import tiny_config
-from workers.chaos import Monkey, invariant_table, plan, plan_table, run_under_chaos
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 

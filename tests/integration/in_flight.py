@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from inference.client import Completion, InferenceClient
+from rlpipe.inference.client import Completion, InferenceClient
 
 LONG = 400  # tokens per request (the tiny model's context is 512)
 IN_FLIGHT = 48  # the servers' max_num_seqs is 64

@@ -9,13 +9,13 @@ from typing import Any
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from infra.inference import SERVED_MODEL_NAME
-from observe import invariants
-from schemas.config import RunConfig, load_run_config
-from schemas.payloads import RunResult
-from storage.db import Database
+from rlpipe.cli.run_commands import start_run
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.observe import invariants
+from rlpipe.schemas.config import RunConfig, load_run_config
+from rlpipe.schemas.payloads import RunResult
+from rlpipe.storage.db import Database
 from tests.waiting import run_result
-from workers.run_commands import start_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RUN_TIMEOUT_S = 600

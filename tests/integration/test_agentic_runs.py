@@ -12,11 +12,11 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from infra.process import kill
-from storage.db import Database
+from rlpipe.cli.run_commands import start_run
+from rlpipe.infra.process import kill
+from rlpipe.storage.db import Database
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
 from tests.waiting import run_result
-from workers.run_commands import start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 

@@ -44,28 +44,28 @@ from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
-from envs.base import Rubric, Task
-from graders.base import GradeResult, InvalidGrade
-from graders.cache import grade_cache_key
-from graders.group import grade_group
-from graders.rules import AnswerMatchGrader
-from inference.admin import InferenceAdmin
-from inference.client import InferenceClient
-from infra.inference import SERVED_MODEL_NAME
-from infra.stack import Stack
-from rollout.generation import ContextTooLong, TurnPlan, sample_turn
-from schemas.config import RunConfig
-from schemas.payloads import ScheduleUpdate
-from storage.db import Database
-from storage.object_store import ObjectStore
-from storage.runs import DuplicateRunName, register_run
+from rlpipe.cli import run_commands
+from rlpipe.cli.chaos import Monkey
+from rlpipe.cli.run_commands import RunCommandError, start_run
+from rlpipe.envs.base import Rubric, Task
+from rlpipe.graders.base import GradeResult, InvalidGrade
+from rlpipe.graders.cache import grade_cache_key
+from rlpipe.graders.group import grade_group
+from rlpipe.graders.rules import AnswerMatchGrader
+from rlpipe.inference.admin import InferenceAdmin
+from rlpipe.inference.client import InferenceClient
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.stack import Stack
+from rlpipe.rollout.generation import ContextTooLong, TurnPlan, sample_turn
+from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.payloads import ScheduleUpdate
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.runs import DuplicateRunName, register_run
+from rlpipe.weights.checkpoints import manifest_key
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
 from tests.integration.test_grader_box import one_turn_group
 from tests.waiting import run_result
-from weights.checkpoints import manifest_key
-from workers import run_commands
-from workers.chaos import Monkey
-from workers.run_commands import RunCommandError, start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm]
 
@@ -96,7 +96,7 @@ async def refusal(call: Awaitable[object]) -> str:
 def cli(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:
     """`rlpipe ...` in a subprocess pointed at the session stack, as an operator would run it."""
     env = {**os.environ, "RLPIPE_HOME": str(stack.settings.home), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "workers.cli", *argv], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlpipe.cli.main", *argv], env=env, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -293,8 +293,8 @@ async def test_missing_model_fails_the_run_at_once(
 
 async def test_prompt_over_the_servers_context_is_refused_not_retried(
         inference_servers: list[str], tiny_model: Path) -> None:
-    from envs.registry import build_environment
-    from policy.chat import load_tokenizer
+    from rlpipe.envs.registry import build_environment
+    from rlpipe.policy.chat import load_tokenizer
 
     cfg = tiny_config(tiny_model)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_model_len": 4096})})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from schemas.tables import Base
+from rlpipe.schemas.tables import Base
 
 pytestmark = pytest.mark.stack
 

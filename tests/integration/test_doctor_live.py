@@ -27,10 +27,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from temporalio.client import Client
 
-from infra.process import free_port
-from infra.settings import LOOPBACK
-from observe import doctor
-from storage.db import Database
+from rlpipe.infra.process import free_port
+from rlpipe.infra.settings import LOOPBACK
+from rlpipe.observe import doctor
+from rlpipe.storage.db import Database
 from tests.integration.runs import run_to_end, tiny_config, tiny_judge
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]

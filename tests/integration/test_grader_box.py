@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from envs.base import Rubric, Task
-from graders.base import GradeResult, GraderDeps
-from graders.judge import UnparsableJudgeOutput
-from graders.registry import build_grader
-from graders.group import grade_group
-from graders.rules import AnswerMatchGrader
-from schemas.config import RunConfig
-from schemas.task import GraderConfig, JudgeConfig
-from storage import buffer
-from storage.db import Database
-from storage.runs import register_run
+from rlpipe.cli.run_commands import run_status, start_run
+from rlpipe.envs.base import Rubric, Task
+from rlpipe.graders.base import GraderDeps, GradeResult
+from rlpipe.graders.group import grade_group
+from rlpipe.graders.judge import UnparsableJudgeOutput
+from rlpipe.graders.registry import build_grader
+from rlpipe.graders.rules import AnswerMatchGrader
+from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.task import GraderConfig, JudgeConfig
+from rlpipe.storage import buffer
+from rlpipe.storage.db import Database
+from rlpipe.storage.runs import register_run
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config, tiny_judge
 from tests.waiting import RunStalled
-from workers.run_commands import run_status, start_run
 
 pytestmark = [pytest.mark.stack]
 
@@ -100,7 +100,8 @@ async def test_failing_grader_is_retried_recorded_and_the_run_pauses_saying_why(
                                "status = 'failed'", r=cfg.name)
     assert len(failed) >= 2 and all("grading failed" in g.status_reason for g in failed)
     for group in failed:  # each failed group's grading was tried twice, each try recorded
-        assert [attempts for (workflow, _), attempts in per_activity.items() if workflow == group.workflow_id] == [[1, 2]]
+        tried = [attempts for (workflow, _), attempts in per_activity.items() if workflow == group.workflow_id]
+        assert tried == [[1, 2]]
     assert all(attempts in ([1], [1, 2]) for attempts in per_activity.values())  # groups still grading: a prefix
     await temporal_client.get_workflow_handle(cfg.workflow_id).cancel()
 

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client
 
-from infra.stack import Stack
-from observe.report import write_report
-from storage.db import Database
+from rlpipe.infra.stack import Stack
+from rlpipe.observe.report import write_report
+from rlpipe.storage.db import Database
 from tests.integration.runs import run_to_end, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

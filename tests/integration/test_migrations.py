@@ -9,8 +9,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.script import ScriptDirectory
 
-from migrations import alembic_config
-from schemas.tables import Base
+from rlpipe.migrations import alembic_config
+from rlpipe.schemas.tables import Base
 
 pytestmark = pytest.mark.stack
 

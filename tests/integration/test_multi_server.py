@@ -27,16 +27,16 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from infra.inference import InferenceService
-from infra.process import kill
-from infra.settings import save_settings
-from infra.stack import Stack
-from storage.db import Database
+from rlpipe.cli.run_commands import pause, resume, run_status, start_run
+from rlpipe.infra.inference import InferenceService
+from rlpipe.infra.process import kill
+from rlpipe.infra.settings import save_settings
+from rlpipe.infra.stack import Stack
+from rlpipe.storage.db import Database
+from rlpipe.workers.launcher import WorkerSet
+from rlpipe.workers.sidecar import SHARED_CHECKPOINTS_ENV
 from tests.integration.runs import RUN_TIMEOUT_S, rows, tiny_config
 from tests.waiting import run_result
-from workers.launcher import WorkerSet
-from workers.run_commands import pause, resume, run_status, start_run
-from workers.sidecar import SHARED_CHECKPOINTS_ENV
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 
@@ -90,7 +90,7 @@ async def until(condition, what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:
 
 def rlpipe(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The `rlpipe` CLI against the test stack."""
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlpipe.cli.main", *args], capture_output=True, text=True,
                           env={**os.environ, "RLPIPE_HOME": str(home), "COLUMNS": "400"}, timeout=120)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-import storage.object_store as object_store_module
-from storage.digest import sha256_file
-from storage.object_store import DigestMismatch, ObjectStore, ObjectStoreError
+import rlpipe.storage.object_store as object_store_module
+from rlpipe.storage.digest import sha256_file
+from rlpipe.storage.object_store import DigestMismatch, ObjectStore, ObjectStoreError
 
 pytestmark = pytest.mark.stack
 

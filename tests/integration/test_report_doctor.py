@@ -33,16 +33,15 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from prometheus_client import CollectorRegistry
-
-from observe import doctor
-from observe import queries as q
-from observe.metrics import PipelineMetrics
-from observe.report import write_report
-from schemas.config import RolloutConfig, RunConfig, SyncConfig
-from schemas.tables import (
+from rlpipe.observe import doctor
+from rlpipe.observe import queries as q
+from rlpipe.observe.metrics import PipelineMetrics
+from rlpipe.observe.report import write_report
+from rlpipe.schemas.config import RolloutConfig, RunConfig, SyncConfig
+from rlpipe.schemas.tables import (
     ActivitySpan,
     EvalResult,
     Grade,
@@ -50,8 +49,8 @@ from schemas.tables import (
     RolloutGroup,
     Run,
     SyncEvent,
-    Trajectory,
     TrainStep,
+    Trajectory,
     Turn,
 )
 

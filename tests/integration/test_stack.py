@@ -12,9 +12,9 @@ import psutil
 import pytest
 from temporalio.client import Client
 
-from infra.service import Launch
-from infra.settings import StackSettings
-from infra.stack import Stack, StackError
+from rlpipe.infra.service import Launch
+from rlpipe.infra.settings import StackSettings
+from rlpipe.infra.stack import Stack, StackError
 from tests.conftest import test_stack_settings
 
 pytestmark = pytest.mark.stack
@@ -94,7 +94,7 @@ def test_service_failing_its_health_check_is_reported_with_its_log(tmp_path: Pat
 
 
 def test_bad_settings_name_the_field(tmp_path: Path) -> None:
-    from infra.settings import SettingsError, load_settings
+    from rlpipe.infra.settings import SettingsError, load_settings
 
     config = tmp_path / "rlpipe.toml"
     config.write_text("[stack]\npostgres_port = 99999\n")

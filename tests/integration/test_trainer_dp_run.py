@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from storage.db import Database
+from rlpipe.storage.db import Database
 from tests.integration.runs import assert_audit_trail, rows, run_to_end, tiny_config
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]

@@ -31,18 +31,18 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from infra.endpoints import Endpoints
-from policy.checkpoint import load_state_dict
-from rollout.assemble import AssembledTrajectory
-from rollout.context import RunContexts
-from schemas.config import RunConfig
-from schemas.payloads import TrainStepInput
-from storage import buffer
-from storage.db import Database
-from storage.object_store import ObjectStore
-from storage.runs import register_run
-from trainer.trainer import Trainer
-from weights.checkpoints import download_checkpoint, load_manifest, manifest_key, train_state_key
+from rlpipe.infra.endpoints import Endpoints
+from rlpipe.policy.checkpoint import load_state_dict
+from rlpipe.rollout.assemble import AssembledTrajectory
+from rlpipe.rollout.context import RunContexts
+from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.payloads import TrainStepInput
+from rlpipe.storage import buffer
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.runs import register_run
+from rlpipe.trainer.trainer import Trainer
+from rlpipe.weights.checkpoints import download_checkpoint, load_manifest, manifest_key, train_state_key
 
 pytestmark = pytest.mark.stack
 

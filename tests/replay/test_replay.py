@@ -15,9 +15,9 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from workers.common import data_converter, workflow_runner
-from workflows.rollout_group import RolloutGroupWorkflow
-from workflows.training_run import TrainingRunWorkflow
+from rlpipe.workers.common import data_converter, workflow_runner
+from rlpipe.workflows.rollout_group import RolloutGroupWorkflow
+from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 HISTORY_DIR = Path(__file__).resolve().parent / "histories"
 WORKFLOW_IDS: dict[str, str] = json.loads((HISTORY_DIR / "workflow_ids.json").read_text())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Sandbox, SandboxConfig, SandboxLimits, run
+from rlpipe.sandbox import Sandbox, SandboxConfig, SandboxLimits, run
 
 MiB = 1024 * 1024
 LIMITS = SandboxLimits(wall_seconds=5, cpu_seconds=2, memory_bytes=256 * MiB, max_processes=16,
@@ -336,7 +336,7 @@ def drop_cap_sys_admin() -> None:
 def test_without_cap_sys_admin_it_fails_closed(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import asyncio, json
-        from sandbox import SandboxConfig, run
+        from rlpipe.sandbox import SandboxConfig, run
         result = asyncio.run(run("print('should not run')",
                                  config=SandboxConfig(scratch_root={str(tmp_path / 'scratch')!r})))
         print(json.dumps([result.status, result.reason, result.stdout]))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from sandbox import (
+from rlpipe.sandbox import (
     ConstantLatency,
     LatencyInjector,
     LatencyModel,

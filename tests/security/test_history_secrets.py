@@ -18,10 +18,10 @@ import pytest
 from sqlalchemy.engine import make_url
 from temporalio.client import Client
 
-from infra.endpoints import Endpoints
-from infra.settings import LOOPBACK, StackSettings
-from infra.stack import Stack
-from storage.db import Database
+from rlpipe.infra.endpoints import Endpoints
+from rlpipe.infra.settings import LOOPBACK, StackSettings
+from rlpipe.infra.stack import Stack
+from rlpipe.storage.db import Database
 from tests.integration.runs import rows, run_to_end, tiny_config
 
 pytestmark = [pytest.mark.stack]

@@ -15,9 +15,9 @@ from google.protobuf import json_format
 from temporalio.api.common.v1 import Payloads
 from temporalio.client import Client
 
-from security.codec import ENCODING, EncryptionCodec, PayloadKeyError
-from security.codec_server import serve
-from workers.common import data_converter
+from rlpipe.security.codec import ENCODING, EncryptionCodec, PayloadKeyError
+from rlpipe.security.codec_server import serve
+from rlpipe.workers.common import data_converter
 
 SECRET_TEXT = "the-prompt-nobody-should-read"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workflows.admission import LauncherLimits, LauncherView, admitted_server
+from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server
 
 LIMITS = LauncherLimits(steps=10, groups_per_step=4, max_concurrent_groups=100)
 

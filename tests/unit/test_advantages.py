@@ -7,7 +7,7 @@ from typing import get_args
 import pytest
 import torch
 
-from rl.advantages import (
+from rlpipe.rl.advantages import (
     ADVANTAGES,
     batch_whitened_advantages,
     compute_advantages,
@@ -16,9 +16,9 @@ from rl.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
-from rl.batch import Sample
-from rl.batching import assign_advantages, plan_step, shard_by_rank
-from schemas.algorithm import AdvantageConfig, AdvantageKind, BatchConfig, LossConfig
+from rlpipe.rl.batch import Sample
+from rlpipe.rl.batching import assign_advantages, plan_step, shard_by_rank
+from rlpipe.schemas.algorithm import AdvantageConfig, AdvantageKind, BatchConfig, LossConfig
 
 EPS = 1e-6
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from envs.registry import build_environment
-from inference.client import InferenceClient
-from rollout.context import checked_model_dir
-from rollout.generation import ContextTooLong, TurnPlan, sample_turn
-from schemas.config import ConfigError, RunConfig
-from schemas.payloads import RunState, ScheduleUpdate
-from schemas.task import EnvConfig
-from workers import cli
-from workflows.training_run import TrainingRunWorkflow
+from rlpipe.cli import main as cli
+from rlpipe.envs.registry import build_environment
+from rlpipe.inference.client import InferenceClient
+from rlpipe.rollout.context import checked_model_dir
+from rlpipe.rollout.generation import ContextTooLong, TurnPlan, sample_turn
+from rlpipe.schemas.config import ConfigError, RunConfig
+from rlpipe.schemas.payloads import RunState, ScheduleUpdate
+from rlpipe.schemas.task import EnvConfig
+from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 GOOD = 'name = "cli-bad"\nsteps = 2\n'
 

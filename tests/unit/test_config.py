@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import ConfigError, RunConfig, load_run_config, parse_run_config
-from schemas.reference import render
+from rlpipe.schemas.config import ConfigError, RunConfig, load_run_config, parse_run_config
+from rlpipe.schemas.reference import render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,4 +55,5 @@ def test_shipped_configs_are_valid(path: Path) -> None:
 
 def test_configuration_reference_is_current() -> None:
     committed = (REPO / "docs" / "configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md is stale: run `python -m schemas.reference > docs/configuration.md`"
+    assert committed == render(), \
+        "docs/configuration.md is stale: run `python -m rlpipe.schemas.reference > docs/configuration.md`"

@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rl.batch import GlobalStats, Sample, TrainBatch, collate
-from rl.batching import (
+from rlpipe.rl.batch import GlobalStats, Sample, TrainBatch, collate
+from rlpipe.rl.batching import (
     assign_advantages,
     global_stats,
     pack_by_tokens,
@@ -27,10 +27,10 @@ from rl.batching import (
     shard_by_rank,
     split_by_count,
 )
-from rl.distributed import DataParallelGroup
-from rl.losses import aggregate
-from rl.step import accumulate_gradients, completion_logprobs, train_step
-from schemas.algorithm import AdvantageConfig, Aggregation, BatchConfig, LossConfig
+from rlpipe.rl.distributed import DataParallelGroup
+from rlpipe.rl.losses import aggregate
+from rlpipe.rl.step import accumulate_gradients, completion_logprobs, train_step
+from rlpipe.schemas.algorithm import AdvantageConfig, Aggregation, BatchConfig, LossConfig
 
 AGGREGATIONS: tuple[Aggregation, ...] = get_args(Aggregation)
 ADVANTAGE = AdvantageConfig(kind="grpo")

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import pytest
 from pydantic import ValidationError
 
-import envs.registry
-from envs.arithmetic import ArithmeticEnv, evaluate_chain
-from envs.base import Environment, Problem, Rubric, SandboxFailed, Task, ToolResult
-from envs.calculator import CalcError, evaluate_expression, format_number
-from envs.code import FAMILIES, VERDICT_MARKER, Verdict, build_test_program, read_verdict, strip_code_fence
-from envs.registry import UnknownEnvironment, build_environment
-from envs.toolcalls import Final, ToolCall, ToolCalls, parse_action, to_clean_text, truncate_middle
-from schemas.task import ArithmeticDifficulty, EnvConfig
+import rlpipe.envs.registry
+from rlpipe.envs.arithmetic import ArithmeticEnv, evaluate_chain
+from rlpipe.envs.base import Environment, Problem, Rubric, SandboxFailed, Task, ToolResult
+from rlpipe.envs.calculator import CalcError, evaluate_expression, format_number
+from rlpipe.envs.code import FAMILIES, VERDICT_MARKER, Verdict, build_test_program, read_verdict, strip_code_fence
+from rlpipe.envs.registry import UnknownEnvironment, build_environment
+from rlpipe.envs.toolcalls import Final, ToolCall, ToolCalls, parse_action, to_clean_text, truncate_middle
+from rlpipe.schemas.task import ArithmeticDifficulty, EnvConfig
 
 TOOLS = ("calc",)
 UNTERMINATED = "unterminated <calc>: close it with </calc>"
@@ -77,7 +77,7 @@ def test_golden_first_tasks_pin_the_generator() -> None:
 
 def test_prompt_sets_do_not_depend_on_the_process() -> None:
     script = (
-        "from envs.registry import build_environment; from schemas.task import EnvConfig;"
+        "from rlpipe.envs.registry import build_environment; from rlpipe.schemas.task import EnvConfig;"
         "env = build_environment(EnvConfig(name='code', seed=3));"
         "print([env.task('train', i).question for i in range(5)])"
     )
@@ -388,7 +388,7 @@ async def test_a_broken_sandbox_raises_instead_of_becoming_an_observation() -> N
 def test_unknown_environment_lists_the_known_ones() -> None:
     known = "known environments: arithmetic, arithmetic_plain, calculator, code"
     with pytest.raises(UnknownEnvironment, match=f"unknown environment 'chess'; {known}"):
-        envs.registry.environment_class("chess")
+        rlpipe.envs.registry.environment_class("chess")
     with pytest.raises(ValidationError, match="env.name 'chess' is not a registered environment"):
         EnvConfig(name="chess")
 
@@ -403,13 +403,13 @@ def test_a_user_environment_plugs_in(monkeypatch: pytest.MonkeyPatch) -> None:
             word = "".join(rng.choice("abc") for _ in range(6))
             return Problem(question=f"Reverse: {word}", reference=word[::-1])
 
-    monkeypatch.setattr(envs.registry, "_ENVIRONMENTS", dict(envs.registry._ENVIRONMENTS))
-    envs.registry.register_environment(Reverse)
+    monkeypatch.setattr(rlpipe.envs.registry, "_ENVIRONMENTS", dict(rlpipe.envs.registry._ENVIRONMENTS))
+    rlpipe.envs.registry.register_environment(Reverse)
     env = build_environment(EnvConfig(name="reverse", eval_size=5))
     task = env.task("train", 0)
     assert task.reference == task.question.removeprefix("Reverse: ")[::-1]
     with pytest.raises(ValueError, match="'arithmetic' is already taken by ArithmeticEnv"):
-        envs.registry.register_environment(type("Other", (ArithmeticEnv,), {"name": "arithmetic"}))
+        rlpipe.envs.registry.register_environment(type("Other", (ArithmeticEnv,), {"name": "arithmetic"}))
 
 
 def test_env_config_messages_name_the_field_and_the_fix() -> None:

@@ -12,14 +12,14 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from envs.base import Rubric, SandboxFailed, Task
-from envs.code import VERDICT_MARKER
-from graders.base import Grader, GraderDeps, GradeResult, InvalidGrade, validate_grade
-from graders.cache import InMemoryGradeCache, canonical_json, grade_cache_key, grade_with_cache
-from graders.judge import JudgeGrader, JudgeRequestRefused, UnparsableJudgeOutput, endpoint_url
-from graders.registry import UnknownGrader, build_grader, build_rubric_graders, grader_class
-from graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
-from schemas.task import GraderConfig, JudgeConfig
+from rlpipe.envs.base import Rubric, SandboxFailed, Task
+from rlpipe.envs.code import VERDICT_MARKER
+from rlpipe.graders.base import Grader, GraderDeps, GradeResult, InvalidGrade, validate_grade
+from rlpipe.graders.cache import InMemoryGradeCache, canonical_json, grade_cache_key, grade_with_cache
+from rlpipe.graders.judge import JudgeGrader, JudgeRequestRefused, UnparsableJudgeOutput, endpoint_url
+from rlpipe.graders.registry import UnknownGrader, build_grader, build_rubric_graders, grader_class
+from rlpipe.graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
+from rlpipe.schemas.task import GraderConfig, JudgeConfig
 
 MATH_TASK = Task(id="t:0", split="eval", index=0, question="What is 12 * 7?", reference="84")
 CODE_TASK = Task(
@@ -489,9 +489,9 @@ def test_rubric_graders_come_from_the_env_unless_the_config_names_one() -> None:
 
 def test_every_invalid_grade_type_is_not_retried() -> None:
     """Temporal's retry policy matches an error's own class name, not its bases."""
-    import graders.judge  # noqa: F401 - defines subclasses
-    import graders.rules  # noqa: F401
-    from workflows.policies import NON_RETRYABLE
+    import rlpipe.graders.judge  # noqa: F401 - defines subclasses
+    import rlpipe.graders.rules  # noqa: F401
+    from rlpipe.workflows.policies import NON_RETRYABLE
 
     def subclasses(cls: type) -> set[type]:
         return {cls} | {sub for direct in cls.__subclasses__() for sub in subclasses(direct)}

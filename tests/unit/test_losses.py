@@ -6,8 +6,8 @@ from typing import get_args
 import pytest
 import torch
 
-from rl.batch import GlobalStats
-from rl.losses import (
+from rlpipe.rl.batch import GlobalStats
+from rlpipe.rl.losses import (
     LossInputs,
     aggregate,
     compute_loss,
@@ -16,7 +16,7 @@ from rl.losses import (
     ppo_clip_loss,
     truncated_is_weights,
 )
-from schemas.algorithm import Aggregation, LossConfig
+from rlpipe.schemas.algorithm import Aggregation, LossConfig
 
 
 def logs(*probs: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from observe.metrics import (
+from rlpipe.observe.metrics import (
     BusyTracker,
     PipelineMetrics,
     metrics_port,

@@ -10,24 +10,24 @@ import tokenizers
 import torch
 import transformers
 
-from policy.chat import chat_prompt_ids, load_tokenizer
-from policy.checkpoint import (
+from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
+from rlpipe.policy.checkpoint import (
     WEIGHTS_FILE,
     build_once,
     load_state_dict,
     save_checkpoint,
     weights_sha256,
 )
-from policy.models import prepare_tiny
-from policy.prepare import smollm2_gguf_path
-from policy.tiny import (
+from rlpipe.policy.models import prepare_tiny
+from rlpipe.policy.prepare import smollm2_gguf_path
+from rlpipe.policy.tiny import (
     REPRODUCIBLE_ENV,
     arithmetic_chat_corpus,
     arithmetic_question,
     build_fingerprint,
     build_tiny_llama,
 )
-from storage.digest import sha256_file
+from rlpipe.storage.digest import sha256_file
 
 FEW_STEPS = 20  # enough to make weights depend on training, fast enough for a unit test
 

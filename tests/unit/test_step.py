@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rl.batch import Sample, collate
-from rl.batching import global_stats, plan_step
-from rl.distributed import DataParallelGroup
-from rl.step import accumulate_gradients, completion_logprobs, make_optimizer, train_step
-from schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
+from rlpipe.rl.batch import Sample, collate
+from rlpipe.rl.batching import global_stats, plan_step
+from rlpipe.rl.distributed import DataParallelGroup
+from rlpipe.rl.step import accumulate_gradients, completion_logprobs, make_optimizer, train_step
+from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
 
 F64 = torch.float64
 TINY = LlamaConfig(

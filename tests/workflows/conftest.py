@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from temporalio.client import Client
 
-from infra.stack import Stack
+from rlpipe.infra.stack import Stack
 from tests.conftest import WORKFLOW_LOGIC_NAMESPACE
 
 
 @pytest.fixture(scope="session")
 async def temporal_client(temporal_server: Stack) -> Client:
-    from workers.common import data_converter
+    from rlpipe.workers.common import data_converter
 
     return await Client.connect(temporal_server.settings.temporal_address, namespace=WORKFLOW_LOGIC_NAMESPACE,
                                 data_converter=data_converter())

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from schemas.config import RunConfig
-from schemas.payloads import (
+from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.payloads import (
     EvalInput,
     EvalSummary,
     FailureRecord,
@@ -119,7 +119,8 @@ class FakeBooks:
         @activity.defn(name="train_step")
         async def train_step(inp: TrainStepInput) -> StepSummary:
             books.log("train_start", inp.step)
-            completed = sorted(i for i, g in books.groups.items() if g["status"] == "completed" and g["claimed"] is None)
+            completed = sorted(i for i, g in books.groups.items()
+                               if g["status"] == "completed" and g["claimed"] is None)
             stale = [i for i in completed if books.version_steps[books.groups[i]["version"]] < inp.min_trained_steps]
             fresh = [i for i in completed if i not in stale][: inp.groups_per_step]
             assert len(fresh) == inp.groups_per_step, f"step {inp.step}: {len(fresh)} fresh groups"

@@ -12,8 +12,9 @@ import pytest
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.worker import Worker
 
-from schemas.config import RunConfig, parse_run_config
-from schemas.payloads import (
+from rlpipe.cli.run_commands import start_run
+from rlpipe.schemas.config import RunConfig, parse_run_config
+from rlpipe.schemas.payloads import (
     GRADER_QUEUE,
     ROLLOUT_QUEUE,
     SANDBOX_QUEUE,
@@ -25,12 +26,11 @@ from schemas.payloads import (
     ServerState,
     sync_queue,
 )
+from rlpipe.workers.common import workflow_runner
+from rlpipe.workflows.rollout_group import RolloutGroupWorkflow
+from rlpipe.workflows.training_run import SERVER_STATE_SIGNAL, TrainingRunWorkflow
 from tests.waiting import RunStalled, run_result
 from tests.workflows.fakes import FakeBooks
-from workers.common import workflow_runner
-from workers.run_commands import start_run
-from workflows.rollout_group import RolloutGroupWorkflow
-from workflows.training_run import SERVER_STATE_SIGNAL, TrainingRunWorkflow
 
 RESULT_TIMEOUT_S = 120
 pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("clean_workflows")]
@@ -143,8 +143,8 @@ async def test_pause_stops_new_groups_and_resume_finishes(temporal_client: Clien
 
 def every_group_failing_config(pause_after: int, max_concurrent_groups: int) -> RunConfig:
     """Two steps of two groups, for books whose grading always fails: the run pauses after `pause_after`."""
-    return config(steps=2, rollout={"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": max_concurrent_groups,
-                                    "pause_after_failed_groups": pause_after})
+    return config(steps=2, rollout={"group_size": 2, "groups_per_step": 2, "pause_after_failed_groups": pause_after,
+                                    "max_concurrent_groups": max_concurrent_groups})
 
 
 async def test_a_run_whose_every_group_fails_pauses_saying_why(temporal_client: Client) -> None:

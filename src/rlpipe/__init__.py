@@ -1,0 +1,1 @@
+"""rlpipe: a durable, asynchronous reinforcement-learning pipeline for LLM agents, on Temporal."""

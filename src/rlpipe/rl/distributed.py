@@ -1,0 +1,359 @@
+"""Data-parallel optimisation steps over torch.distributed (gloo on CPU, NCCL when CUDA is present).
+
+`DataParallelGroup` starts `world_size` rank processes once. Each builds its model, optimizer and
+optional reference model from the picklable factories it is given; rank 0's weights are broadcast
+so the replicas start identical. The trainer worker then drives it:
+
+    with DataParallelGroup(2, model_fn, optimizer_fn) as group:
+        plan = plan_step(samples, advantage=..., loss=..., batch=BatchConfig(world_size=2), pad_token_id=0)
+        metrics = group.step(plan.shards, loss_cfg, grad_clip=1.0, seed=7)  # rank 0's metrics
+        weights = group.state_dict()                                 # rank 0's weights, to checkpoint
+        state = group.optimizer_state_dict()                         # rank 0's optimizer, to checkpoint
+        group.load_optimizer_state_dict(state)                       # a restore: into every replica
+        probe = group.call(fn)                                       # fn(model) on rank 0
+
+In a step every rank accumulates the gradients of its own shard (rl/step.py), the gradients are
+all-reduced and divided by world_size (what DDP does; each loss share carries x world_size, see
+rl/losses.py, so the average is exactly the full-batch gradient), the metric totals are all-reduced,
+and every rank clips and steps the same averaged gradients, so the replicas -- weights AND
+optimizer state -- stay identical; rank 0's copies therefore stand for the whole group, and a
+checkpoint of them restores any world size. A step given a seed reseeds rank r's torch generator
+with seed * world_size + r first, so a replayed step draws the same random numbers.
+A failure on any rank closes the group and raises in the caller with that rank's traceback.
+With NCCL, rank r uses cuda:r, so world_size must not exceed the visible GPUs.
+
+Ranks are forked from a fork server (torch.multiprocessing 'forkserver'), not spawned: the server
+is started by the first group of a process and imports torch, this module and the group's
+`preload` modules once, so every later group (a restore, the next run) starts in about half a
+second instead of importing torch and transformers again in every rank (~6 CPU-seconds each).
+The server never touches CUDA, so forking from it is as safe as spawning.
+"""
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from rlpipe.rl.batch import TrainBatch
+from rlpipe.rl.step import MetricTotals, accumulate_gradients, apply_gradients
+from rlpipe.schemas.algorithm import LossConfig
+
+ModelFn = Callable[[], nn.Module]
+"""Builds a model on CPU, e.g. functools.partial(LlamaForCausalLM.from_pretrained, path); must pickle."""
+OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""Builds the optimizer over the given parameters, e.g. functools.partial(make_optimizer, cfg=optim)."""
+
+BUCKET_NUMEL = 1 << 24  # gradients are all-reduced in flat buckets of at most this many elements
+
+
+@dataclass(frozen=True)
+class _Command:
+    kind: Literal["step", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
+                  "call", "close"]
+    """A method of `_Replica` (or close)."""
+    payload: Any = None
+
+
+def cpu_copy(tree: Any) -> Any:
+    """A detached CPU copy of every tensor in nested dicts/lists/tuples (a state_dict, an
+    optimizer state); other leaves are kept. Copies never alias the live model's storage."""
+    if isinstance(tree, Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(cpu_copy(v) for v in tree)
+    return tree
+
+
+def average_gradients(model: nn.Module, world_size: int, device: torch.device) -> None:
+    """All-reduce (sum) every gradient, then divide by world_size: DDP's averaging after backward.
+    A rank that saw no data contributes zeros."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in _buckets(params):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket]).to(device)   # (sum of numel,)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world_size
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket]), strict=True):
+            p.grad.copy_(g.view_as(p))
+
+
+def _buckets(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one dtype, at most BUCKET_NUMEL elements per bucket (or one parameter)."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        if buckets and buckets[-1][0].dtype == p.dtype and size + p.numel() <= BUCKET_NUMEL:
+            buckets[-1].append(p)
+            size += p.numel()
+        else:
+            buckets.append([p])
+            size = p.numel()
+    return buckets
+
+
+def reduce_totals(totals: MetricTotals, device: torch.device) -> None:
+    """All-reduce a step's metric totals in place: sums add, maxima take the max, minima the min."""
+    ops = ((totals.sums, dist.ReduceOp.SUM), (totals.maxes, dist.ReduceOp.MAX), (totals.mins, dist.ReduceOp.MIN))
+    for values, op in ops:
+        keys = sorted(values)                                                 # same order on every rank
+        packed = torch.stack([values[k] for k in keys]).to(device)           # (K,) float64
+        dist.all_reduce(packed, op=op)
+        values.update(zip(keys, packed.cpu().unbind(), strict=True))
+
+
+def _broadcast_module(module: nn.Module) -> None:
+    """Make every rank's weights (and buffers) equal to rank 0's."""
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            dist.broadcast(t, src=0)
+
+
+@dataclass
+class _Replica:
+    """One rank's model, optimizer and optional frozen reference; each method serves one command
+    kind and returns rank 0's answer (other ranks return None: the replicas are identical)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    ref_model: nn.Module | None
+
+    def step(self, payload: tuple[Sequence[TrainBatch], LossConfig, float | None, int | None]) -> Any:
+        shard, cfg, grad_clip, seed = payload
+        if seed is not None:
+            torch.manual_seed(seed * self.world_size + self.rank)   # distinct per rank, same on replay
+        self.model.zero_grad(set_to_none=True)
+        totals = accumulate_gradients(self.model, shard, cfg, self.ref_model)   # this rank's shares, summed
+        average_gradients(self.model, self.world_size, self.device)            # / world_size, as DDP
+        reduce_totals(totals, self.device)
+        grad_norm = apply_gradients(self.model, self.optimizer, grad_clip)     # same gradients on every rank
+        return self._rank0(lambda: totals.summary(shard[0].stats, grad_norm))
+
+    def state_dict(self, _: None) -> Any:
+        return self._rank0(lambda: cpu_copy(self.model.state_dict()))
+
+    def optimizer_state_dict(self, _: None) -> Any:
+        return self._rank0(lambda: cpu_copy(self.optimizer.state_dict()))
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        # Private copies: tensors sent through the queues live in shared memory that EVERY rank maps,
+        # and load_state_dict keeps them as they are when dtype and device already match, so the
+        # ranks' in-place Adam updates would all land in one tensor.
+        self.optimizer.load_state_dict(cpu_copy(state))
+
+    def call(self, fn: Callable[[nn.Module], Any]) -> Any:
+        return self._rank0(lambda: fn(self.model))
+
+    def _rank0(self, answer: Callable[[], Any]) -> Any:
+        return answer() if self.rank == 0 else None
+
+
+def _build_replica(
+    rank: int, world_size: int, init_file: str, model_fn: ModelFn, optimizer_fn: OptimizerFn,
+    ref_model_fn: ModelFn | None, timeout_s: float,
+) -> _Replica:
+    """Join the process group, build the replica and make its weights equal to rank 0's."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+        world_size=world_size, timeout=timedelta(seconds=timeout_s),
+    )
+    model = model_fn().to(device)
+    _broadcast_module(model)
+    optimizer = optimizer_fn(model.parameters())
+    ref_model = ref_model_fn().to(device) if ref_model_fn is not None else None
+    if ref_model is not None:
+        ref_model.requires_grad_(False)
+        _broadcast_module(ref_model)
+    return _Replica(rank, world_size, device, model, optimizer, ref_model)
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    model_fn: ModelFn,
+    optimizer_fn: OptimizerFn,
+    ref_model_fn: ModelFn | None,
+    inbox: "mp.Queue[_Command]",
+    outbox: "mp.Queue[tuple[int, str, Any]]",
+    timeout_s: float,
+) -> None:
+    """One rank: build, then serve commands until 'close'. Every command is answered on `outbox`."""
+    parent = os.getppid()
+    try:
+        replica = _build_replica(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, timeout_s)
+        outbox.put((rank, "ok", None))
+    except Exception:
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while (cmd := _next_command(inbox, parent)).kind != "close":
+        try:
+            outbox.put((rank, "ok", getattr(replica, cmd.kind)(cmd.payload)))
+        except Exception:
+            outbox.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _next_command(inbox: "mp.Queue[_Command]", parent: int) -> _Command:
+    """The next command, or 'close' once the parent has died (so that an orphaned rank exits)."""
+    while True:
+        try:
+            return inbox.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return _Command("close")
+
+
+class DataParallelGroup:
+    """`world_size` persistent rank processes holding replicas of one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        model_fn: ModelFn,
+        optimizer_fn: OptimizerFn,
+        *,
+        ref_model_fn: ModelFn | None = None,
+        timeout_s: float = 1800.0,
+        preload: Sequence[str] = (),
+    ) -> None:
+        """Start the ranks and wait until each has built its model; `timeout_s` bounds every command.
+        `preload`: modules the fork server imports (those the factories need, e.g. the model's
+        library); it counts only while this process has no fork server yet (the first group)."""
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", __name__, *preload])
+        self.world_size = world_size
+        self._timeout_s = timeout_s
+        self._dir = tempfile.mkdtemp(prefix="rlpipe-dp-")   # the file rendezvous: no port to pick
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._outbox = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, os.path.join(self._dir, "rendezvous"), model_fn, optimizer_fn,
+                      ref_model_fn, self._inboxes[rank], self._outbox, timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect()
+
+    def step(
+        self, shards: Sequence[Sequence[TrainBatch]], cfg: LossConfig, *, grad_clip: float | None,
+        seed: int | None = None,
+    ) -> dict[str, float]:
+        """One optimisation step: rank r trains on `shards[r]` (from `batching.plan_step`); rank 0's
+        metrics. `seed` (None: leave the generators alone) makes the step's randomness replayable."""
+        if len(shards) != self.world_size or any(not s for s in shards):
+            raise ValueError(
+                f"step needs {self.world_size} shards of at least one micro-batch each (plan_step makes them)"
+            )
+        if any(mb.stats.world_size != self.world_size for s in shards for mb in s):
+            raise ValueError(
+                f"the micro-batches were planned for another world size: plan with batch.world_size={self.world_size}"
+            )
+        for rank, shard in enumerate(shards):
+            self._inboxes[rank].put(_Command("step", (list(shard), cfg, grad_clip, seed)))
+        return self._collect()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """A CPU copy of rank 0's model weights (all replicas hold the same)."""
+        return self._broadcast(_Command("state_dict"))
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """A CPU copy of rank 0's optimizer state (all replicas hold the same)."""
+        return self._broadcast(_Command("optimizer_state_dict"))
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load the same weights into every replica (the optimizer state is kept)."""
+        self._broadcast(_Command("load_state_dict", state))
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the same optimizer state into every replica (e.g. from a checkpoint)."""
+        self._broadcast(_Command("load_optimizer_state_dict", state))
+
+    def call(self, fn: Callable[[nn.Module], Any]) -> Any:
+        """fn(model) on rank 0's replica, e.g. an evaluation of the live weights; `fn` must pickle
+        (a module-level function or a functools.partial of one) and should not change the model."""
+        return self._broadcast(_Command("call", fn))
+
+    def close(self) -> None:
+        """Stop the ranks and remove the rendezvous directory; safe to call twice."""
+        for p, inbox in zip(self._procs, self._inboxes, strict=True):
+            if p.is_alive():
+                inbox.put(_Command("close"))
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "DataParallelGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _broadcast(self, cmd: _Command) -> Any:
+        """Send `cmd` to every rank; rank 0's answer."""
+        for inbox in self._inboxes:
+            inbox.put(cmd)
+        return self._collect()
+
+    def _collect(self) -> Any:
+        """Wait for one answer from every rank; return rank 0's. Any error or death closes the group."""
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + self._timeout_s
+        while len(answers) < self.world_size:
+            try:
+                rank, status, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in answers]
+                if dead or time.monotonic() > deadline:
+                    self._abort()
+                    raise RuntimeError(f"data-parallel ranks {dead or 'all'} died or timed out") from None
+                continue
+            if status == "error":
+                self._abort()
+                raise RuntimeError(f"data-parallel rank {rank} failed:\n{payload}")
+            answers[rank] = payload
+        return answers[0]
+
+    def _abort(self) -> None:
+        """Kill the ranks at once: a rank may be blocked in a collective its failed peer never joins."""
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join()
+        shutil.rmtree(self._dir, ignore_errors=True)
+

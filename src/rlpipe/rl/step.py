@@ -1,0 +1,174 @@
+"""One optimisation step on a causal LM: per-token logprobs, loss, gradient accumulation, update.
+
+Pure-function style: the caller owns the model (anything called as `model(input_ids=...,
+attention_mask=...).logits`, e.g. a transformers `LlamaForCausalLM`), the optimizer and the
+micro-batches from `batching.plan_step`; nothing here touches a database or Temporal.
+
+    totals = accumulate_gradients(model, micro_batches, loss_cfg)   # forward + backward, per micro-batch
+    (data parallel: all-reduce gradients and totals here; rl/distributed.py)
+    grad_norm = apply_gradients(model, optimizer, grad_clip)         # clip, step, zero
+    metrics = totals.summary(stats, grad_norm)
+
+`train_step` chains the three for a single process. There is one optimiser step per global batch,
+so the trainer's logprobs "before the step" (the proximal policy of truncated_is and decoupled) are
+the current forward's logprobs, detached: no second forward pass is needed.
+"""
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from rlpipe.rl.batch import GlobalStats, TrainBatch
+from rlpipe.rl.losses import EXTREME_METRICS, SUM_METRICS, LossInputs, LossOutput, compute_loss
+from rlpipe.schemas.algorithm import LossConfig, OptimConfig
+
+BATCH_SUMS = ("adv", "adv_sq", "sequences", "tokens")
+"""Totals over sequences (advantages) and real tokens that the step adds to the loss's metrics."""
+
+
+def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW as configured (the clip is applied by `apply_gradients`, not here)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def completion_logprobs(model: nn.Module, batch: TrainBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Logprob and entropy of every completion slot under `model`: two (N, L) tensors with grad.
+
+    The token at column c is predicted by the logits at column c - 1 (shift by one); prompts have
+    at least one token and padded slots point at column 1, so c - 1 >= 0 always.
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, T, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logprobs are too coarse for ratios
+    predictor = (batch.completion_index - 1).unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (N, L, V)
+    logp = (logits.gather(1, predictor) / temperature).log_softmax(-1)                  # (N, L, V)
+    targets = batch.input_ids.gather(1, batch.completion_index)                         # (N, L)
+    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                        # (N, L)
+    entropy = -(logp.exp() * logp).sum(-1)                                               # (N, L)
+    return logprobs, entropy
+
+
+@dataclass
+class MetricTotals:
+    """Sums, maxima and minima over a step's micro-batches; reduced across ranks before `summary`.
+    Every rank holds the same keys, even one whose micro-batches were all empty."""
+
+    sums: dict[str, Tensor] = field(default_factory=lambda: _filled(SUM_METRICS + BATCH_SUMS, 0.0))
+    maxes: dict[str, Tensor] = field(default_factory=lambda: _filled(EXTREME_METRICS + ("adv",), -math.inf))
+    mins: dict[str, Tensor] = field(default_factory=lambda: _filled(EXTREME_METRICS + ("adv",), math.inf))
+
+    def add(self, out: LossOutput, batch: TrainBatch) -> None:
+        """Fold in one micro-batch's loss metrics and its advantage and token counts."""
+        adv = batch.advantages.detach().double()                                     # (N,)
+        sums = {**out.sums, "adv": adv.sum(), "adv_sq": adv.pow(2).sum(),
+                "sequences": torch.tensor(float(batch.num_sequences)),
+                "tokens": batch.attention_mask.sum()}
+        for k, v in sums.items():
+            self.sums[k] += v.detach().double().cpu()
+        for k, v in {**out.maxes, "adv": adv.max()}.items():
+            self.maxes[k] = torch.maximum(self.maxes[k], v.detach().double().cpu())
+        for k, v in {**out.mins, "adv": adv.min()}.items():
+            self.mins[k] = torch.minimum(self.mins[k], v.detach().double().cpu())
+
+    def summary(self, stats: GlobalStats, grad_norm: float) -> dict[str, float]:
+        """Step metrics: token means over the global loss tokens, sequence means over sequences."""
+        s = {k: float(v) for k, v in self.sums.items()}
+        tokens, sequences = max(stats.num_loss_tokens, 1), max(s["sequences"], 1.0)
+        adv_mean = s["adv"] / sequences
+
+        def extreme(d: dict[str, Tensor], k: str) -> float:
+            return float(d[k]) if math.isfinite(float(d[k])) else 0.0   # 0 when the step had no tokens
+
+        return {
+            "loss": s["loss"] / stats.world_size,           # shares carry x world_size (see rl/losses.py)
+            "entropy": s["entropy"] / tokens,
+            "kl_sampler": s["kl_sampler"] / tokens,         # KL(sampler || trainer), k3 per token
+            "kl_ref": s["kl_ref"] / tokens,                 # 0 without a reference model
+            "mismatch": s["mismatch"] / tokens,             # mean |log pi_trainer - log pi_sampler|
+            "clip_frac": s["clip_frac"] / tokens,
+            "is_weight_mean": s["is_weight"] / tokens,      # pi_trainer / pi_sampler per token
+            "is_weight_max": extreme(self.maxes, "is_weight"),
+            "is_weight_min": extreme(self.mins, "is_weight"),
+            "is_capped_frac": s["is_capped_frac"] / tokens,
+            "adv_mean": adv_mean,
+            "adv_std": math.sqrt(max(s["adv_sq"] / sequences - adv_mean**2, 0.0)),
+            "adv_max": extreme(self.maxes, "adv"),
+            "adv_min": extreme(self.mins, "adv"),
+            "grad_norm": grad_norm,
+            "num_loss_tokens": float(stats.num_loss_tokens),
+            "num_sequences": s["sequences"],
+            "num_tokens": s["tokens"],
+        }
+
+
+def _filled(keys: Sequence[str], value: float) -> dict[str, Tensor]:
+    return {k: torch.tensor(value, dtype=torch.float64) for k in keys}
+
+
+def accumulate_gradients(
+    model: nn.Module, micro_batches: Sequence[TrainBatch], cfg: LossConfig, ref_model: nn.Module | None = None
+) -> MetricTotals:
+    """Forward and backward over each micro-batch, summing gradients into `.grad`; no optimiser step.
+
+    Each micro-batch's loss is already its share of the global mean (rl/losses.py), so the summed
+    gradients need no further division by the number of micro-batches.
+    """
+    if cfg.kl_coef > 0 and ref_model is None:
+        raise ValueError("loss.kl_coef > 0 needs a reference model: pass ref_model or set kl_coef=0")
+    device = next(model.parameters()).device
+    totals = MetricTotals()
+    for mb in micro_batches:
+        if mb.num_sequences == 0:
+            continue  # HF models cannot forward zero rows; an empty micro-batch adds nothing
+        mb = mb.to(device)
+        logprobs, entropy = completion_logprobs(model, mb, cfg.temperature)             # (N, L) x 2
+        ref_logprobs = None
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_logprobs, _ = completion_logprobs(ref_model, mb, cfg.temperature)    # (N, L)
+        inputs = LossInputs(
+            logprobs=logprobs,
+            sampler_logprobs=mb.sampler_logprobs,
+            advantages=mb.advantages,
+            loss_mask=mb.loss_mask,
+            entropy=entropy,
+            proximal_logprobs=logprobs.detach(),  # one optimiser step per batch: "before" = now
+            ref_logprobs=ref_logprobs,
+        )
+        out = compute_loss(inputs, cfg, mb.stats)
+        out.loss.backward()
+        totals.add(out, mb)
+    return totals
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None) -> float:
+    """Clip the global gradient norm (None: no clip), step, zero the gradients; returns the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[TrainBatch],
+    cfg: LossConfig,
+    *,
+    grad_clip: float | None,
+    ref_model: nn.Module | None = None,
+) -> dict[str, float]:
+    """One single-process optimisation step over `micro_batches` (one rank's shard of a plan)."""
+    stats = micro_batches[0].stats
+    if stats.world_size != 1:
+        raise ValueError(
+            f"the plan has world_size={stats.world_size}: run it with rl.distributed.DataParallelGroup, "
+            "or plan it with batch.world_size=1"
+        )
+    model.zero_grad(set_to_none=True)  # a step starts from no gradient, whatever the caller left
+    totals = accumulate_gradients(model, micro_batches, cfg, ref_model)
+    grad_norm = apply_gradients(model, optimizer, grad_clip)
+    return totals.summary(stats, grad_norm)

@@ -1,0 +1,157 @@
+"""Where the policy lives while it trains: in this process, or on data-parallel ranks.
+
+The trainer talks to one small interface, whatever `batch.world_size` is:
+
+    engine = open_engine(EngineSpec(...))    # weights directory + optimizer state (None: fresh)
+    metrics = engine.step(plan, seed)        # one optimiser step on a `batching.plan_step` plan
+    engine.state_dict()                      # CPU copy of the weights: what is published
+    engine.optimizer_state_dict()            # CPU copy of the optimizer: what recovery needs
+    engine.evaluate(fn)                      # fn(policy) on the live weights (the probe)
+    engine.close()
+
+`LocalEngine` (world_size 1) holds the model in this process (on cuda:0 when there is a GPU);
+`RankEngine` drives a `rl.distributed.DataParallelGroup` whose ranks stay alive for as long as
+the engine does (one run, until a restore). Both build the policy, its optimizer and, when
+loss.kl_coef > 0, the frozen reference model (the run's base model, loaded once) from the same
+factories below, so the two paths cannot drift apart.
+
+Randomness: before every step torch is reseeded from (optim.seed, step) (and the rank), so a step
+replayed after a restart draws the same numbers as the original and no generator state needs to
+be checkpointed. (The policies we train use no dropout; this keeps replay exact if one does.)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
+
+from rlpipe.rl.batching import StepPlan
+from rlpipe.rl.distributed import DataParallelGroup, cpu_copy
+from rlpipe.rl.step import make_optimizer, train_step
+from rlpipe.schemas.algorithm import LossConfig, OptimConfig
+
+T = TypeVar("T")
+STEPS_PER_SEED = 1_000_000
+"""`step_seed` keeps the seeds of one run's steps distinct for runs of fewer steps than this."""
+
+
+def step_seed(base_seed: int, step: int) -> int:
+    """The seed of optimiser step `step`: a pure function of the config and the step number."""
+    return base_seed * STEPS_PER_SEED + step
+
+
+def load_policy(weights_dir: Path) -> nn.Module:
+    """The policy from a complete model directory (the base model or a published checkpoint):
+    fp32, train mode. Tied weights, which checkpoints store once, are re-tied from the config."""
+    return AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).train()
+
+
+def load_reference(base_dir: Path) -> nn.Module:
+    """The frozen reference of the KL penalty: the run's base model, in eval mode, no gradients."""
+    return load_policy(base_dir).eval().requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine starts from."""
+
+    base_dir: Path                        # the run's base model: the reference of the KL penalty
+    weights_dir: Path                     # the weights to start from (base_dir for version 0)
+    optimizer_state: dict[str, Any] | None  # a checkpointed optimizer state; None: a fresh optimizer
+    loss: LossConfig
+    optim: OptimConfig
+    world_size: int
+
+
+class Engine(Protocol):
+    def step(self, plan: StepPlan, seed: int) -> dict[str, float]:
+        """One optimiser step on the whole plan; the step's metrics (rl/step.MetricTotals.summary)."""
+        ...
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def optimizer_state_dict(self) -> dict[str, Any]: ...
+
+    def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
+        """fn(policy) on the live weights; `fn` must pickle (a functools.partial of a module function)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalEngine:
+    """The policy, its optimizer and the optional reference in this process."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.loss, self.grad_clip = spec.loss, spec.optim.grad_clip
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_policy(spec.weights_dir).to(device)
+        self.optimizer = make_optimizer(self.model.parameters(), spec.optim)
+        if spec.optimizer_state is not None:
+            self.optimizer.load_state_dict(spec.optimizer_state)   # moves the state to the parameters' device
+        self.ref_model = load_reference(spec.base_dir).to(device) if spec.loss.kl_coef > 0 else None
+
+    def step(self, plan: StepPlan, seed: int) -> dict[str, float]:
+        (shard,) = plan.shards
+        torch.manual_seed(seed)   # = rl.distributed's seed * world_size + rank for one rank
+        return train_step(self.model, self.optimizer, shard, self.loss, grad_clip=self.grad_clip,
+                          ref_model=self.ref_model)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return cpu_copy(self.model.state_dict())
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return cpu_copy(self.optimizer.state_dict())
+
+    def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
+        return fn(self.model)
+
+    def close(self) -> None:
+        """Nothing to stop: the model goes with the object."""
+
+
+class RankEngine:
+    """`world_size` persistent data-parallel ranks (rl/distributed.py) holding identical replicas."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.loss, self.grad_clip = spec.loss, spec.optim.grad_clip
+        self.group = DataParallelGroup(
+            spec.world_size,
+            functools.partial(load_policy, spec.weights_dir),          # module functions: they pickle
+            functools.partial(make_optimizer, cfg=spec.optim),
+            ref_model_fn=functools.partial(load_reference, spec.base_dir) if spec.loss.kl_coef > 0 else None,
+            preload=[__name__],   # torch and transformers, imported once by the fork server
+        )
+        if spec.optimizer_state is not None:
+            try:
+                self.group.load_optimizer_state_dict(spec.optimizer_state)
+            except BaseException:
+                self.group.close()
+                raise
+
+    def step(self, plan: StepPlan, seed: int) -> dict[str, float]:
+        return self.group.step(plan.shards, self.loss, grad_clip=self.grad_clip, seed=seed)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self.group.state_dict()
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.group.optimizer_state_dict()
+
+    def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
+        return self.group.call(fn)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def open_engine(spec: EngineSpec) -> Engine:
+    """One process for world_size 1 (no rank processes to start or feed), ranks otherwise."""
+    return LocalEngine(spec) if spec.world_size == 1 else RankEngine(spec)

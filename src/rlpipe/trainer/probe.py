@@ -1,0 +1,56 @@
+"""The probe: a fixed prompt whose teacher-forced logprobs and greedy continuation the trainer
+records when it publishes a version; an inference server must reproduce both after loading it
+(weights/sync.py), or the sync is rolled back."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlpipe.policy.chat import chat_prompt_ids
+
+PROBE_MESSAGES = [{"role": "user", "content": "What is 17 + 25? Answer in <answer></answer>."}]
+PROBE_ANSWER = "<answer>42</answer>"
+GREEDY_TOKENS = 16
+
+
+def probe_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """(prompt ids, prompt + a fixed answer ids)."""
+    prompt = chat_prompt_ids(tokenizer, PROBE_MESSAGES)
+    return prompt, prompt + list(tokenizer.encode(PROBE_ANSWER, add_special_tokens=False))
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
+    """log p(token_ids[i] | token_ids[:i]) for i >= 1 under raw logits (temperature 1), the same
+    quantity vLLM returns as prompt logprobs."""
+    ids = torch.tensor([token_ids], device=_device(model))                       # (1, T)
+    logits = model(input_ids=ids).logits[0, :-1].float()                          # (T-1, V)
+    logprobs = torch.log_softmax(logits, dim=-1)                                  # (T-1, V)
+    return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()             # (T-1,)
+
+
+@torch.no_grad()
+def greedy_ids(model: torch.nn.Module, prompt_ids: list[int], tokens: int = GREEDY_TOKENS) -> list[int]:
+    """Exactly `tokens` argmax tokens after the prompt, end-of-sequence included like any other
+    token (the server is asked with ignore_eos, which keeps sampling past it the same way)."""
+    ids = list(prompt_ids)
+    for _ in range(tokens):
+        logits = model(input_ids=torch.tensor([ids], device=_device(model))).logits[0, -1]   # (V,)
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def make_probe(model: torch.nn.Module, prompt_ids: list[int], scored_ids: list[int]) -> dict[str, list]:
+    """The probe record of `model` for the ids of `probe_ids`. Takes ids, not the tokenizer, so that
+    it can run where the weights live (a data-parallel rank: `functools.partial` of it pickles small)."""
+    was_training = model.training
+    model.eval()
+    probe = {"token_ids": scored_ids, "logprobs": teacher_forced_logprobs(model, scored_ids),
+             "prompt_ids": prompt_ids, "greedy_ids": greedy_ids(model, prompt_ids)}
+    model.train(was_training)
+    return probe
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device

@@ -1,0 +1,285 @@
+"""The trainer: one run's policy, advanced one committed step at a time.
+
+    train_step(s):  committed already?  -> return the recorded result (a retried activity)
+                    claim the batch of step s in Postgres (fresh groups, stale ones dropped; a
+                      retry gets the same groups back)
+                    bring the policy to step s - 1 (restore + replay after a restart or a failure)
+                    one optimiser step on the engine (this process or data-parallel ranks: engine.py)
+                    publish a checkpoint if asked (S3: weights + optimizer state; probe logprobs)
+                    commit: train_steps row (+ policy_versions row) in one transaction
+
+Exact recovery. Publishing version v after step k stores the weights (what inference servers load)
+and, beside them, the optimizer state after step k (`train_state_key`, read only by recovery). A
+trainer whose memory does not hold step s - 1 (a new process, another run, a failed step) loads the
+newest version with trained_steps <= s - 1 and replays steps k + 1 .. s - 1 on their recorded
+batches (`claimed_trajectories`: the groups each committed step claimed; a replay claims nothing).
+A step's batch, plan and seed are pure functions of what Postgres holds, so the replay redoes the
+same arithmetic and the parameters equal those of a trainer that never stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+import torch
+
+from rlpipe.policy.checkpoint import save_checkpoint
+from rlpipe.rl.batching import plan_step
+from rlpipe.rollout.context import RunContext, RunContexts
+from rlpipe.schemas.payloads import PublishedVersion, StepSummary, TrainStepInput
+from rlpipe.schemas.tables import PolicyVersion, TrainStep
+from rlpipe.storage import buffer
+from rlpipe.storage.db import Database
+from rlpipe.storage.object_store import ObjectStore
+from rlpipe.trainer.engine import Engine, EngineSpec, open_engine, step_seed
+from rlpipe.trainer.probe import make_probe, probe_ids
+from rlpipe.trainer.samples import batch_metrics, staleness, to_samples
+from rlpipe.weights.checkpoints import (
+    Manifest,
+    download_checkpoint,
+    load_manifest,
+    local_version_dir,
+    manifest_key,
+    train_state_key,
+    upload_checkpoint,
+)
+
+log = logging.getLogger("rlpipe.trainer")
+Heartbeat = Callable[[], None]
+
+
+class Trainer:
+    """Holds one run's policy and optimizer (through an `Engine`); a trainer worker has one and
+    runs one activity at a time."""
+
+    def __init__(self, db: Database, store: ObjectStore, contexts: RunContexts, work_dir: Path) -> None:
+        self.db = db
+        self.store = store
+        self.contexts = contexts
+        self.work_dir = work_dir
+        work_dir.mkdir(parents=True, exist_ok=True)  # checkpoints cached for restores, temporary files
+        self.engine: Engine | None = None
+        self.run_id: str | None = None
+        self.applied_step = -1
+        """The last step of `run_id` whose update the engine holds (-1: no engine)."""
+
+    # -- entry points ---------------------------------------------------------------------------
+    def init_policy(self, run_id: str) -> PublishedVersion:
+        """Publish the base model as version 0 (once per run)."""
+        existing = self._version_row(run_id, 0)
+        if existing is not None:
+            return _published(existing)
+        ctx = self.contexts.get(run_id)
+        self._open(ctx, ctx.model_dir, optimizer_state=None, step=0)
+        manifest, probe = self._publish(ctx, version=0, trained_steps=0)
+        with self.db.begin() as s:
+            s.add(_version_row(manifest, probe))
+        return PublishedVersion(0, 0, manifest_key(run_id, 0), manifest.weights.sha256)
+
+    def train_step(self, inp: TrainStepInput, heartbeat: Heartbeat = lambda: None) -> StepSummary:
+        """Run and commit step `inp.step`; `heartbeat` is called between units of work (replayed
+        steps, the step itself) so a long restore shows progress."""
+        committed = self._committed(inp.run_id, inp.step)
+        if committed is not None:
+            return committed
+        ctx = self.contexts.get(inp.run_id)
+        started = datetime.now(UTC)
+        timings: dict[str, float] = {}
+        # claim first: a step retried for NotEnoughFreshGroups leaves the engine as it was
+        with timed(timings, "claim_s"), self.db.begin() as s:
+            claim = buffer.claim_batch(s, run_id=inp.run_id, step=inp.step, groups_per_step=inp.groups_per_step,
+                                       min_trained_steps=inp.min_trained_steps)
+        try:
+            with timed(timings, "restore_s"):
+                restored = self._bring_to(ctx, inp.step - 1, heartbeat)
+            with timed(timings, "train_s"):
+                metrics = self._apply(ctx, inp.step, timings)
+            heartbeat()
+            published = None
+            if inp.publish:
+                with timed(timings, "publish_s"):
+                    published = self._publish(ctx, version=inp.policy_version + 1, trained_steps=inp.step,
+                                              timings=timings)
+            return self._commit(inp, claim, metrics | restored | timings, started, published)
+        except BaseException:
+            self.close()  # the engine may be mid-step or past the committed state: the retry restores
+            raise
+
+    def close(self) -> None:
+        """Stop the engine (and its data-parallel ranks); the next step restores from the store."""
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.run_id, self.applied_step = None, None, -1
+
+    # -- state --------------------------------------------------------------------------------------
+    def _bring_to(self, ctx: RunContext, step: int, heartbeat: Heartbeat) -> dict[str, float]:
+        """Make the engine hold the result of the run's first `step` committed steps; returns the
+        restore's metrics (empty when it already did)."""
+        run_id = ctx.config.name
+        if self.engine is not None and self.run_id == run_id and self.applied_step == step:
+            return {}
+        base = self._newest_version(run_id, step)
+        log.info("restoring run %s: version %d (step %d), replaying steps %d..%d", run_id, base.version,
+                 base.trained_steps, base.trained_steps + 1, step)
+        directory = local_version_dir(self.work_dir, run_id, base.version)
+        download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
+        optimizer_state = self._load_train_state(run_id, base.trained_steps) if base.trained_steps > 0 else None
+        self._open(ctx, directory, optimizer_state, base.trained_steps)
+        for replay in range(base.trained_steps + 1, step + 1):
+            self._apply(ctx, replay)
+            heartbeat()
+        return {"restored_version": float(base.version), "replayed_steps": float(step - base.trained_steps)}
+
+    def _open(self, ctx: RunContext, weights_dir: Path, optimizer_state: dict[str, Any] | None, step: int) -> None:
+        """Replace the engine by one holding `weights_dir` and `optimizer_state` as step `step`."""
+        self.close()
+        cfg = ctx.config
+        self.engine = open_engine(EngineSpec(base_dir=ctx.model_dir, weights_dir=weights_dir,
+                                             optimizer_state=optimizer_state, loss=cfg.loss, optim=cfg.optim,
+                                             world_size=cfg.batch.world_size))
+        self.run_id, self.applied_step = cfg.name, step
+
+    def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
+        """One optimiser step on the batch `step` claimed; the engine then holds step `step`. Returns
+        the step's metrics: the loss's (rl/step.py) and the batch's (trainer/samples.py); `timings`
+        gets the seconds of reading and planning the batch and of the engine's step."""
+        assert self.engine is not None and self.run_id == ctx.config.name and self.applied_step == step - 1
+        cfg, timings = ctx.config, {} if timings is None else timings
+        with timed(timings, "read_s"), self.db.begin() as s:
+            rows = buffer.claimed_trajectories(s, cfg.name, step)
+            version_steps = dict(s.execute(sa.select(PolicyVersion.version, PolicyVersion.trained_steps)
+                                           .where(PolicyVersion.run_id == cfg.name)).all())
+        samples = to_samples(rows)
+        if not samples:
+            raise RuntimeError(f"step {step} of run {cfg.name} claimed no completed trajectories")
+        with timed(timings, "plan_s"):
+            plan = plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch,
+                             pad_token_id=ctx.tokenizer.pad_token_id or 0)
+        with timed(timings, "engine_s"):
+            metrics = self.engine.step(plan, step_seed(cfg.optim.seed, step))
+        self.applied_step = step
+        stale = staleness(samples, step, version_steps)
+        return metrics | batch_metrics(samples, plan, stale) | {"staleness": stale}  # per trajectory, for metrics
+
+    def _newest_version(self, run_id: str, step: int) -> PolicyVersion:
+        """The newest published version trained for at most `step` steps: where a restore starts."""
+        with self.db.begin() as s:
+            base = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
+                                                            PolicyVersion.trained_steps <= step)
+                             .order_by(PolicyVersion.version.desc()).limit(1)).first()
+        if base is None:
+            raise RuntimeError(f"run {run_id} has no published version at or before step {step}: "
+                               "init_policy must run first")
+        return base
+
+    def _load_train_state(self, run_id: str, step: int) -> dict[str, Any]:
+        """The optimizer state stored when the version of step `step` was published."""
+        with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
+            path = Path(tmp) / "train-state.pt"
+            self.store.get_file(train_state_key(run_id, step), path)
+            return torch.load(path, weights_only=True)
+
+    # -- publishing and committing ------------------------------------------------------------------
+    def _publish(self, ctx: RunContext, version: int, trained_steps: int,
+                 timings: dict[str, float] | None = None) -> tuple[Manifest, dict]:
+        """Upload the engine's weights as `version` and, after a trained step, its optimizer state
+        (for recovery only: never part of the inference checkpoint); returns the manifest and the
+        probe with the trainer's reference logprobs, computed where the weights live. `timings`
+        gets the seconds of each part (the profile of benchmarks/trainer_efficiency.py)."""
+        assert self.engine is not None
+        run_id, timings = ctx.config.name, {} if timings is None else timings
+        with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
+            directory = Path(tmp) / "checkpoint"
+            with timed(timings, "save_s"):
+                save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
+            with timed(timings, "upload_s"):
+                manifest = upload_checkpoint(self.store, run_id, version, trained_steps, directory)
+            if trained_steps > 0:
+                with timed(timings, "train_state_s"):
+                    state_file = Path(tmp) / "train-state.pt"
+                    torch.save(self.engine.optimizer_state_dict(), state_file)
+                    self.store.put_file(train_state_key(run_id, trained_steps), state_file)
+            cached = local_version_dir(self.work_dir, run_id, version)
+            if not cached.exists():  # kept: restores start from it, a sidecar on this filesystem loads it
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                directory.rename(cached)  # whole or not at all (same filesystem)
+        with timed(timings, "probe_s"):
+            prompt, scored = probe_ids(ctx.tokenizer)
+            return manifest, self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
+
+    def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, Any], started: datetime,
+                published: tuple[Manifest, dict] | None) -> StepSummary:
+        row = TrainStep(
+            run_id=inp.run_id, step=inp.step, policy_version=inp.policy_version,
+            published_version=published[0].version if published else None, n_groups=len(claim.consumed),
+            n_trajectories=int(metrics["num_sequences"]), n_tokens=int(metrics["num_tokens"]), loss=metrics["loss"],
+            reward_mean=metrics["reward_mean"], reward_std=metrics["reward_std"],
+            response_length_mean=metrics["response_length_mean"], entropy=metrics["entropy"],
+            kl_sampler=metrics["kl_sampler"], grad_norm=metrics["grad_norm"],
+            staleness_mean=metrics["staleness_mean"], staleness_max=int(metrics["staleness_max"]),
+            metrics={**metrics, "dropped_groups": claim.dropped, "consumed_groups": claim.consumed},
+            started_at=started, finished_at=datetime.now(UTC))
+        with self.db.begin() as s:
+            if published:
+                s.add(_version_row(*published))
+                s.flush()  # the version row first: its trigger checks contiguity
+            s.add(row)
+        return _summary(row, published[0] if published else None)
+
+    def _committed(self, run_id: str, step: int) -> StepSummary | None:
+        with self.db.begin() as s:
+            row = s.scalar(sa.select(TrainStep).where(TrainStep.run_id == run_id, TrainStep.step == step))
+            if row is None:
+                return None
+            version = self._version_row(run_id, row.published_version) if row.published_version is not None else None
+            return _summary(row, version)
+
+    def _version_row(self, run_id: str, version: int) -> PolicyVersion | None:
+        with self.db.begin() as s:
+            return s.scalar(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
+                                                           PolicyVersion.version == version))
+
+
+@contextmanager
+def timed(into: dict[str, float], key: str) -> Iterator[None]:
+    """Record the seconds the block took as into[key] (also when it raises)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        into[key] = time.monotonic() - t0
+
+
+def _version_row(manifest: Manifest, probe: dict) -> PolicyVersion:
+    return PolicyVersion(run_id=manifest.run_id, version=manifest.version, trained_steps=manifest.trained_steps,
+                         checkpoint_key=manifest_key(manifest.run_id, manifest.version),
+                         sha256=manifest.weights.sha256, size_bytes=manifest.total_bytes, probe=probe)
+
+
+def _published(row: PolicyVersion) -> PublishedVersion:
+    return PublishedVersion(row.version, row.trained_steps, row.checkpoint_key, row.sha256)
+
+
+def _summary(row: TrainStep, published: Manifest | PolicyVersion | None) -> StepSummary:
+    metrics = row.metrics or {}
+    version = None
+    if published is not None:
+        key = manifest_key(row.run_id, published.version)
+        sha = published.weights.sha256 if isinstance(published, Manifest) else published.sha256
+        version = PublishedVersion(published.version, published.trained_steps, key, sha)
+    return StepSummary(step=row.step, loss=row.loss or 0.0, reward_mean=row.reward_mean or 0.0,
+                       staleness_max=row.staleness_max or 0, n_tokens=row.n_tokens,
+                       consumed_groups=list(metrics.get("consumed_groups", [])),
+                       dropped_groups=list(metrics.get("dropped_groups", [])), published=version,
+                       duration_s=(row.finished_at - row.started_at).total_seconds(),
+                       staleness=list(metrics.get("staleness", [])), entropy=row.entropy,
+                       kl_sampler=row.kl_sampler, response_length=row.response_length_mean)

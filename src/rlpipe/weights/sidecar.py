@@ -1,0 +1,324 @@
+"""The sync sidecar's state machine for one inference server.
+
+It owns two promises about its server:
+
+1. Syncs are verified and recorded (`sync`): the checkpoint is fetched (sha256-checked, or read
+   from the trainer's directory when the two share a filesystem) before the server is paused;
+   a bad checkpoint is refused untouched; a load that fails or does not match the trainer's
+   probe goes back to the previous weights; each attempt is a `sync_events` row (a failed one
+   also a `failures` row) and a metrics observation.
+2. The server holds a verified version or says it does not (`check`, run by `watch` every few
+   seconds and at start): when the server's label is not what the sidecar last verified — a
+   restarted server answers "default" — the server is reported unknown and the latest published
+   version of the run it serves is loaded, verified, and reported. Rollouts reject every
+   label that is not a published version (weights/labels.py), so nothing is sampled from the
+   restarted server's start-up weights meanwhile.
+
+One lock serialises syncs, checks and restores: the server's label changes only under it.
+Versions on a server only move forward: a sync of a version older than the one held is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rlpipe.inference.admin import InferenceAdmin
+from rlpipe.inference.client import InferenceClient, InferenceError, ServerUnavailableError
+from rlpipe.observe.metrics import METRICS
+from rlpipe.policy.checkpoint import WEIGHTS_FILE
+from rlpipe.schemas.config import SyncConfig
+from rlpipe.storage import syncs
+from rlpipe.storage.db import Database
+from rlpipe.storage.digest import sha256_file
+from rlpipe.storage.object_store import DigestMismatch, ObjectStore
+from rlpipe.storage.runs import load_run_config, record_failure
+from rlpipe.weights.checkpoints import download_checkpoint, load_manifest, local_version_dir
+from rlpipe.weights.labels import published_label, published_version, verifying_label
+from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
+
+log = logging.getLogger("rlpipe.sidecar")
+
+StateListener = Callable[[str, int | None], Awaitable[None]]
+"""(run, version or None): called when the server's verified version becomes unknown (None: it
+went down, or holds unverified weights) and when a restore has verified one."""
+DEFAULT_LABEL = "default"
+FAILURE_TYPES = {"refused": "CheckpointRefused", "rolled_back": "ProbeMismatch", "failed": "ReloadFailed"}
+"""`failures.error_type` of each failed sync status."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published version as the sidecar needs it (a `policy_versions` row)."""
+
+    run_id: str
+    version: int
+    checkpoint_key: str
+    sha256: str
+    probe: dict | None
+
+
+class Sidecar:
+    def __init__(self, db: Database, store: ObjectStore, server: str, url: str, work_dir: Path, *,
+                 model_name: str, shared_dir: Path | None = None, on_state: StateListener | None = None) -> None:
+        self.db = db
+        self.store = store
+        self.server = server
+        self.url = url
+        self.model_name = model_name
+        self.work_dir = work_dir
+        """Checkpoints fetched from S3 land in work_dir/<run>/v<version>."""
+        self.shared_dir = shared_dir
+        """The trainer's published checkpoints (same layout), when this machine shares its filesystem."""
+        self.on_state = on_state
+        self.admin = InferenceAdmin(url)
+        self.held: Weights | None = None
+        """The verified weights the server holds (None: unknown, or not a published version)."""
+        self.reachable = True
+        self._lock = asyncio.Lock()
+        self._configs: dict[str, SyncConfig] = {}
+
+    # -- entry points -------------------------------------------------------------------------------
+    async def sync(self, run_id: str, version: int) -> SyncOutcome:
+        """Load `version` of `run_id` into the server, verified (a retried call changes nothing)."""
+        async with self._lock:
+            return await self._sync(run_id, version)
+
+    async def check(self) -> SyncOutcome | None:
+        """Make sure the server holds what the sidecar verified; restore the latest published
+        version if it does not (returns that restore's outcome, or None when nothing was done)."""
+        async with self._lock:
+            try:
+                if await self._current() is not None:
+                    self.reachable = True
+                    return None
+            except ServerUnavailableError:
+                if self.reachable:
+                    self.reachable = False
+                    log.warning("server %s at %s is unreachable", self.server, self.url)
+                    await self._tell_unknown()
+                return None
+            self.reachable = True
+            return await self._restore()
+
+    async def watch(self, every_s: float = 2.0) -> None:
+        """`check` now and every `every_s` seconds, forever (the sidecar worker runs it beside
+        its activity worker)."""
+        while True:
+            try:
+                await self.check()
+            except Exception:  # noqa: BLE001 - a failed restore is retried at the next check
+                log.exception("checking server %s failed", self.server)
+            await asyncio.sleep(every_s)
+
+    async def aclose(self) -> None:
+        await self.admin.aclose()
+
+    # -- syncing ------------------------------------------------------------------------------------
+    async def _sync(self, run_id: str, version: int) -> SyncOutcome:
+        target = await asyncio.to_thread(self._published, run_id, version)
+        held = await self._current()
+        if held is not None and held.run_id == run_id and held.version is not None and held.version >= version:
+            return SyncOutcome(status="ok", error=f"skipped: server {self.server} already holds version {held.version}")
+        config = await asyncio.to_thread(self._config, run_id)
+        attempt = _Attempt(self, target)
+        label = verifying_label(version, attempt.started_at) if config.verify else published_label(version)
+        try:
+            directory, attempt.bytes, attempt.download_s = await asyncio.to_thread(self._fetch, target)
+        except DigestMismatch as exc:  # the server was never touched
+            outcome = SyncOutcome(status="refused", error=f"refused before pausing the server: {exc}")
+            await attempt.record(outcome)
+            return self._observed(target, outcome)
+        try:
+            previous = await self._rollback_target(held, run_id)
+            plan = SyncPlan(version, directory, target.probe, label, previous, config.pause_mode,
+                            config.verify_tolerance if config.verify else None)
+            async with InferenceClient(self.url, self.model_name) as client:
+                outcome = await load_into_server(self.admin, client, plan, attempt.record)
+        except InferenceError as exc:
+            self.held = None
+            failed = SyncOutcome(status="failed",
+                                 error=f"sync of version {version} on server {self.server} broke off: {exc}")
+            await attempt.record(failed)
+            self._observed(target, failed)
+            raise
+        await attempt.finish()
+        if outcome.status == "ok":
+            self.held = Weights(published_label(version), directory, run_id, version, target.probe)
+        else:
+            self.held = previous if previous.version is not None else None
+        return self._observed(target, outcome)
+
+    def _fetch(self, target: Published) -> tuple[Path, int, float]:
+        """(directory with the version's files, bytes downloaded, seconds): the trainer's own
+        directory when it is shared and intact, else a download from S3 checked file by file.
+        Raises DigestMismatch when the published bytes are not what the version recorded."""
+        t0 = time.monotonic()
+        shared = self._shared_copy(target)
+        if shared is not None:
+            return shared, 0, time.monotonic() - t0
+        manifest = load_manifest(self.store, target.checkpoint_key)
+        if manifest.weights.sha256 != target.sha256:
+            raise DigestMismatch(f"the manifest of version {target.version} names weights {manifest.weights.sha256}, "
+                                 f"but the version was published with {target.sha256}")
+        directory = local_version_dir(self.work_dir, target.run_id, target.version)
+        fetched = download_checkpoint(self.store, manifest, directory)
+        return directory, fetched, time.monotonic() - t0
+
+    def _shared_copy(self, target: Published) -> Path | None:
+        if self.shared_dir is None:
+            return None
+        directory = local_version_dir(self.shared_dir, target.run_id, target.version)
+        weights = directory / WEIGHTS_FILE
+        if weights.exists() and sha256_file(weights) == target.sha256:
+            return directory
+        log.warning("the trainer's copy of %s v%d at %s is missing or altered: downloading it from S3",
+                    target.run_id, target.version, directory)
+        return None
+
+    async def _rollback_target(self, held: Weights | None, run_id: str) -> Weights:
+        """What a failed load goes back to: the verified weights held, if they are this run's
+        (fetched again when this machine lost them: a restarted sidecar), else the server's
+        start-up weights, labelled "default". Another run's version would carry a label that
+        this run's rollouts would take for one of its own versions."""
+        if held is None or held.run_id != run_id or held.version is None:
+            return Weights(DEFAULT_LABEL, await self.admin.served_model_dir())
+        if held.probe is not None and held.directory.exists():
+            return held
+        published = await asyncio.to_thread(self._published, run_id, held.version)
+        directory, _, _ = await asyncio.to_thread(self._fetch, published)
+        return Weights(held.label, directory, run_id, held.version, published.probe)
+
+    # -- what the server holds ----------------------------------------------------------------------
+    async def _current(self) -> Weights | None:
+        """The verified weights the server holds now, judged by its label: what this sidecar
+        loaded, or (after a sidecar restart) the version the database says it verified last.
+        Raises ServerUnavailableError when the server does not answer."""
+        label = await self.admin.weight_version()
+        if self.held is not None and self.held.label == label:
+            return self.held
+        self.held = None
+        version = published_version(label)
+        verified = await asyncio.to_thread(self._last_verified)
+        if version is not None and verified is not None and verified.version == version:
+            directory = local_version_dir(self.work_dir, verified.run_id, version)
+            self.held = Weights(label, directory, verified.run_id, version)
+        return self.held
+
+    async def _restore(self) -> SyncOutcome | None:
+        """Load the latest published version of the run this server serves (if any)."""
+        run_id = await asyncio.to_thread(self._served_run)
+        if run_id is None:
+            return None
+        latest = await asyncio.to_thread(self._latest, run_id)
+        if latest is None:
+            return None
+        log.warning("server %s does not hold a verified version (label %r): restoring %s v%d", self.server,
+                    await self.admin.weight_version(), run_id, latest)
+        await self._notify(run_id, None)
+        outcome = await self._sync(run_id, latest)
+        if outcome.status == "ok":
+            await self._notify(run_id, latest)
+        return outcome
+
+    async def _tell_unknown(self) -> None:
+        run_id = await asyncio.to_thread(self._served_run)
+        if run_id is not None:
+            await self._notify(run_id, None)
+
+    async def _notify(self, run_id: str, version: int | None) -> None:
+        if self.on_state is None:
+            return
+        try:
+            await self.on_state(run_id, version)
+        except Exception:  # noqa: BLE001 - the run learns it at the next sync; the labels keep rollouts safe
+            log.exception("could not tell run %s that server %s holds %s", run_id, self.server, version)
+
+    # -- records ------------------------------------------------------------------------------------
+    def _observed(self, target: Published, outcome: SyncOutcome) -> SyncOutcome:
+        METRICS.observe_sync(target.run_id, self.server, target.version, outcome.status,
+                             {k.removesuffix("_s"): v for k, v in outcome.timings.items()})
+        return outcome
+
+    def _published(self, run_id: str, version: int) -> Published:
+        with self.db.begin() as s:
+            row = syncs.version_row(s, run_id, version)
+            return Published(run_id, row.version, row.checkpoint_key, row.sha256, row.probe)
+
+    def _config(self, run_id: str) -> SyncConfig:
+        if run_id not in self._configs:
+            with self.db.begin() as s:
+                self._configs[run_id] = load_run_config(s, run_id).sync
+        return self._configs[run_id]
+
+    def _last_verified(self) -> syncs.Verified | None:
+        with self.db.begin() as s:
+            return syncs.last_verified(s, self.server)
+
+    def _served_run(self) -> str | None:
+        with self.db.begin() as s:
+            return syncs.served_run(s, self.server)
+
+    def _latest(self, run_id: str) -> int | None:
+        with self.db.begin() as s:
+            return syncs.latest_version(s, run_id)
+
+
+class _Attempt:
+    """One sync attempt's bookkeeping: its start (which also names its verifying label), the
+    transfer it did, and its sync_events row."""
+
+    def __init__(self, sidecar: Sidecar, target: Published) -> None:
+        self.sidecar = sidecar
+        self.target = target
+        self.started_at = datetime.now(UTC)
+        self.t0 = time.monotonic()
+        self.bytes = 0
+        self.download_s: float | None = None
+
+    async def record(self, outcome: SyncOutcome) -> None:
+        """Write the outcome (the verdict, for a load) with the transfer's numbers."""
+        outcome.bytes = self.bytes
+        if self.download_s is not None:
+            outcome.timings["download_s"] = self.download_s
+        outcome.timings["total_s"] = time.monotonic() - self.t0
+        await asyncio.to_thread(self._write, outcome)
+
+    def _write(self, outcome: SyncOutcome) -> None:
+        """The attempt's sync_events row, and a failures row (with the numbers) if it failed."""
+        server, target = self.sidecar.server, self.target
+        record = syncs.SyncRecord(target.run_id, target.version, server, outcome.status, outcome.bytes,
+                                  dict(outcome.timings), outcome.probe_max_abs_diff, outcome.greedy_match,
+                                  outcome.error, self.started_at, datetime.now(UTC))
+        with self.sidecar.db.begin() as s:
+            attempt = syncs.record_sync(s, record)
+            if outcome.status == "ok":
+                return
+            record_failure(s, run_id=target.run_id, kind="sync", error_type=FAILURE_TYPES[outcome.status],
+                           message=outcome.error or outcome.status, activity="sync_weights",
+                           workflow_id=syncs.run_workflow_id(s, target.run_id),
+                           activity_id=sync_failure_id(server, target.version), attempt=attempt,
+                           details={"server": server, "version": target.version,
+                                    "probe_max_abs_diff": outcome.probe_max_abs_diff,
+                                    "greedy_match": outcome.greedy_match, **outcome.timings})
+
+    async def finish(self) -> None:
+        """Stretch the recorded row to the attempt's end (a rollback, the final label)."""
+
+        def write() -> None:
+            with self.sidecar.db.begin() as s:
+                syncs.finish_sync(s, self.target.run_id, self.target.version, self.sidecar.server,
+                                  time.monotonic() - self.t0, datetime.now(UTC))
+
+        await asyncio.to_thread(write)
+
+
+def sync_failure_id(server: str, version: int) -> str:
+    """The `failures.activity_id` of a failed sync: the workflow records its own failure of the
+    same sync under this id, so the two land on one row."""
+    return f"sync-{server}-v{version}"
