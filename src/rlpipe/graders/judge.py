@@ -27,8 +27,6 @@ if TYPE_CHECKING:  # httpx loads only when a judge is built, keeping `graders` l
     import httpx
 
 JUDGE_OUTPUT_CHARS = 1000  # the tail of the judge's reply kept in the details
-
-
 RETRYABLE_CLIENT_ERRORS = (408, 429)  # request timeout, rate limit: the same request may pass later
 
 
