@@ -73,9 +73,9 @@ class EnvConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str) -> str:
-        from rlpipe.envs.registry import known_environments  # lazy: envs imports this module
+        from rlpipe.envs.registry import ENVIRONMENTS  # lazy: envs imports this module
 
-        known = known_environments()
+        known = ENVIRONMENTS.names()
         if name not in known:
             raise ValueError(
                 f"env.name {name!r} is not a registered environment: use one of {', '.join(known)} "
@@ -211,14 +211,12 @@ class GraderConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str | None) -> str | None:
-        from rlpipe.graders.registry import (
-            known_graders,  # lazy: keeps schemas free of grader imports
-        )
+        from rlpipe.graders.registry import GRADERS  # lazy: keeps schemas free of grader imports
 
-        if name is not None and name not in known_graders():
+        if name is not None and name not in GRADERS.names():
             raise ValueError(
                 f"grader.name {name!r} is not a registered grader: use one of "
-                f"{', '.join(known_graders())}, or None for the environment's rubric"
+                f"{', '.join(GRADERS.names())}, or None for the environment's rubric"
             )
         return name
 

@@ -388,7 +388,7 @@ async def test_a_broken_sandbox_raises_instead_of_becoming_an_observation() -> N
 def test_unknown_environment_lists_the_known_ones() -> None:
     known = "known environments: arithmetic, arithmetic_plain, calculator, code"
     with pytest.raises(UnknownEnvironment, match=f"unknown environment 'chess'; {known}"):
-        rlpipe.envs.registry.environment_class("chess")
+        rlpipe.envs.registry.ENVIRONMENTS.get("chess")
     with pytest.raises(ValidationError, match="env.name 'chess' is not a registered environment"):
         EnvConfig(name="chess")
 
@@ -403,7 +403,8 @@ def test_a_user_environment_plugs_in(monkeypatch: pytest.MonkeyPatch) -> None:
             word = "".join(rng.choice("abc") for _ in range(6))
             return Problem(question=f"Reverse: {word}", reference=word[::-1])
 
-    monkeypatch.setattr(rlpipe.envs.registry, "_ENVIRONMENTS", dict(rlpipe.envs.registry._ENVIRONMENTS))
+    registry = rlpipe.envs.registry.ENVIRONMENTS
+    monkeypatch.setattr(registry, "_classes", dict(registry._classes))  # the plug-in is gone after the test
     rlpipe.envs.registry.register_environment(Reverse)
     env = build_environment(EnvConfig(name="reverse", eval_size=5))
     task = env.task("train", 0)

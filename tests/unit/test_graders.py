@@ -17,7 +17,7 @@ from rlpipe.envs.code import VERDICT_MARKER
 from rlpipe.graders.base import Grader, GraderDeps, GradeResult, InvalidGrade, validate_grade
 from rlpipe.graders.cache import InMemoryGradeCache, canonical_json, grade_cache_key, grade_with_cache
 from rlpipe.graders.judge import JudgeGrader, JudgeRequestRefused, UnparsableJudgeOutput, endpoint_url
-from rlpipe.graders.registry import UnknownGrader, build_grader, build_rubric_graders, grader_class
+from rlpipe.graders.registry import GRADERS, UnknownGrader, build_grader, build_rubric_graders
 from rlpipe.graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
 from rlpipe.schemas.task import GraderConfig, JudgeConfig
 
@@ -473,7 +473,7 @@ async def test_invalid_grades_are_not_cached() -> None:
 def test_unknown_grader_lists_the_known_ones() -> None:
     known = "known graders: answer_match, code_tests, final_number, judge"
     with pytest.raises(UnknownGrader, match=f"unknown grader 'bleu'; {known}"):
-        grader_class("bleu")
+        GRADERS.get("bleu")
     with pytest.raises(ValidationError, match="grader.name 'bleu' is not a registered grader"):
         GraderConfig(name="bleu")
 
