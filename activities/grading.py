@@ -10,8 +10,8 @@ from temporalio import activity
 from rlpipe.activities.common import heartbeating, instrumented
 from rlpipe.envs.base import Rubric
 from rlpipe.graders.base import Grader, GraderDeps
-from rlpipe.graders.group import grade_group
 from rlpipe.graders.registry import build_rubric_graders
+from rlpipe.grading.group import grade_group
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.payloads import GradeGroupInput, GradeGroupResult
 from rlpipe.schemas.tables import RolloutGroup

@@ -52,6 +52,13 @@ def resolve_endpoints(settings: StackSettings) -> Endpoints:
     )
 
 
+def database_url(url: str | None = None) -> str:
+    """`url` in SQLAlchemy's form, else DATABASE_URL / the local stack's, as the workers resolve it."""
+    from rlpipe.infra.settings import load_settings
+
+    return normalise_database_url(url) if url else resolve_endpoints(load_settings()).database_url
+
+
 def normalise_database_url(url: str) -> str:
     """SQLAlchemy needs the driver named; accept the plain `postgresql://` form users have."""
     for prefix in ("postgresql://", "postgres://"):

@@ -50,8 +50,8 @@ from rlpipe.cli.run_commands import RunCommandError, start_run
 from rlpipe.envs.base import Rubric, Task
 from rlpipe.graders.base import GradeResult, InvalidGrade
 from rlpipe.graders.cache import grade_cache_key
-from rlpipe.graders.group import grade_group
 from rlpipe.graders.rules import AnswerMatchGrader
+from rlpipe.grading.group import grade_group
 from rlpipe.inference.admin import InferenceAdmin
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME

@@ -15,10 +15,10 @@ from temporalio.client import Client
 from rlpipe.cli.run_commands import run_status, start_run
 from rlpipe.envs.base import Rubric, Task
 from rlpipe.graders.base import GraderDeps, GradeResult
-from rlpipe.graders.group import grade_group
 from rlpipe.graders.judge import UnparsableJudgeOutput
 from rlpipe.graders.registry import build_grader
 from rlpipe.graders.rules import AnswerMatchGrader
+from rlpipe.grading.group import grade_group
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.task import GraderConfig, JudgeConfig
 from rlpipe.storage import buffer

@@ -33,10 +33,10 @@ import torch
 
 from rlpipe.infra.endpoints import Endpoints
 from rlpipe.policy.checkpoint import load_state_dict
-from rlpipe.rollout.assemble import AssembledTrajectory
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import TrainStepInput
+from rlpipe.schemas.trajectory import AssembledTrajectory
 from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore

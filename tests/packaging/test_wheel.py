@@ -62,6 +62,18 @@ def test_the_wheel_holds_one_root_package_and_its_files(wheel: Path) -> None:
         assert any(name.startswith(f"rlpipe/{data}") for name in names), data
 
 
+def test_every_package_in_the_tree_is_in_the_wheel(wheel: Path) -> None:
+    """A package folder added without its line in pyproject.toml would be missing from installs."""
+    mapped = {"workflows", "activities", "workers", "schemas", "migrations", "infra", "configs"}
+    in_tree = {f"rlpipe/{init.parent.relative_to(REPO / 'src' / 'rlpipe').as_posix()}"
+               for init in (REPO / "src" / "rlpipe").rglob("__init__.py")}
+    in_tree |= {f"rlpipe/{init.parent.relative_to(REPO).as_posix()}" for folder in mapped
+                for init in (REPO / folder).rglob("__init__.py")}
+    with zipfile.ZipFile(wheel) as archive:
+        in_wheel = {name.rsplit("/", 1)[0] for name in archive.namelist() if name.endswith("/__init__.py")}
+    assert {name.removesuffix("/.") for name in in_tree} == in_wheel
+
+
 def test_the_installed_command_runs_from_a_strangers_folder(installed: Path, stranger: Path) -> None:
     done = run([str(installed.parent / "rlpipe"), "--help"], cwd=stranger)
     assert "stack" in done.stdout and "run" in done.stdout

@@ -558,9 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", help="run name")
     parser.add_argument("--database-url", help="default: DATABASE_URL or the local stack's database")
     args = parser.parse_args(argv)
-    from rlpipe.observe.report import open_database
+    from rlpipe.infra.endpoints import database_url  # the command line's default: where the workers write
+    from rlpipe.storage.db import Database
 
-    db = open_database(args.database_url)
+    db = Database(database_url(args.database_url))
     try:
         with db.begin() as s:
             findings = diagnose(s, args.run)

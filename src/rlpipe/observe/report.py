@@ -244,21 +244,15 @@ def write_report(s: Session, run_id: str, out_dir: Path) -> Path:
 
 
 # -- command line -----------------------------------------------------------------------------------
-def open_database(url: str | None) -> Database:
-    """The database at `url`, else DATABASE_URL / the local stack's (as the workers resolve it)."""
-    from rlpipe.infra.endpoints import normalise_database_url, resolve_endpoints
-    from rlpipe.infra.settings import load_settings
-
-    return Database(normalise_database_url(url) if url else resolve_endpoints(load_settings()).database_url)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlpipe.observe.report", description="Write one run's report.")
     parser.add_argument("run", help="run name")
     parser.add_argument("--out", type=Path, help="output directory (default reports/RUN)")
     parser.add_argument("--database-url", help="default: DATABASE_URL or the local stack's database")
     args = parser.parse_args(argv)
-    db = open_database(args.database_url)
+    from rlpipe.infra.endpoints import database_url  # the command line's default: where the workers write
+
+    db = Database(database_url(args.database_url))
     try:
         with db.begin() as s:
             path = write_report(s, args.run, args.out or Path("reports") / args.run)

@@ -11,30 +11,8 @@ Nothing is re-tokenised: the ids are exactly what the sampler saw and produced.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class TurnTokens:
-    input_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    version_spans: list[list[int]] | None = None
-    """[[version, first, end), ...] over output_ids (relative to this turn's output)."""
-
-
-@dataclass
-class AssembledTrajectory:
-    prompt_ids: list[int]
-    completion_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    sampler_logprobs: list[float] = field(default_factory=list)
-    version_spans: list[list[int]] = field(default_factory=list)
-    """[[version, first, end), ...] over completion_ids, merged where adjacent spans agree."""
-
-    @property
-    def min_version(self) -> int | None:
-        return min((span[0] for span in self.version_spans), default=None)
+from rlpipe.schemas.trajectory import AssembledTrajectory, TurnTokens
 
 
 def assemble(turns: Sequence[TurnTokens]) -> AssembledTrajectory:

@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from rlpipe.rollout.assemble import AssembledTrajectory, TurnTokens
 from rlpipe.schemas.tables import PolicyVersion, RolloutGroup, Trajectory, Turn
+from rlpipe.schemas.trajectory import AssembledTrajectory, TurnTokens
 
 
 # -- groups -----------------------------------------------------------------------------------------
