@@ -26,12 +26,24 @@ queue names in the main namespace and would take the fakes' tasks."""
 
 
 def free_port_block(count: int) -> int:
-    """The first of `count` consecutive free loopback ports, picked at random above 20000."""
+    """The first of `count` consecutive free loopback ports, picked at random from 20000 up to the
+    kernel's ephemeral range: a port in that range can be taken at any moment as the local end of
+    some outgoing connection (CI once lost SeaweedFS's S3 port so, seconds after checking it)."""
+    top = ephemeral_ports()[0] - count
     for _ in range(200):
-        base = random.randint(20000, 60000 - count)
+        base = random.randint(20000, top)
         if all(port_holder(LOOPBACK, base + i) is None for i in range(count)):
             return base
-    raise RuntimeError(f"no block of {count} free ports found")
+    raise RuntimeError(f"no block of {count} free ports found below {top + count}")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; its default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def test_stack_settings(home: Path) -> StackSettings:

@@ -32,6 +32,7 @@ from rlpipe.infra.vllm import ServerStartError, vllm_command, wait_healthy
 from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
 from rlpipe.policy.checkpoint import load_state_dict, save_checkpoint
 from rlpipe.policy.tiny import arithmetic_question, build_tiny_llama
+from tests.conftest import free_port_block
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 pytestmark = pytest.mark.vllm
@@ -68,7 +69,7 @@ def noisy_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server_url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Popen the server (own process group, output in a log file); kill the group at teardown."""
-    port = free_port()
+    port = free_port_block(1)  # below the ephemeral range: the server binds it ~30 s later
     argv, env = vllm_command(tiny_dir, "127.0.0.1", port, served_model_name=MODEL, kv_cache_gib=1)
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     with open(log_path, "wb") as log:

