@@ -37,8 +37,8 @@ async def workflow_listed(address: str, workflow_id: str) -> bool:
 def test_stack_lifecycle(tmp_path: Path) -> None:
     settings = test_stack_settings(tmp_path / "home")
     stack = Stack(settings)
-    stack.up(progress=lambda msg: None)
-    try:
+    try:  # a service that fails to start must not leave the others running
+        stack.up(progress=lambda msg: None)
         rows = stack.status()
         assert [r.name for r in rows] == ["postgres", "seaweedfs", "temporal"]
         assert all(r.healthy and r.pid for r in rows), rows
