@@ -6,6 +6,7 @@ import asyncio
 
 from temporalio import activity
 
+from rlpipe.activities.definitions import RECORD_FAILURE, REGISTER_RUN, SET_RUN_STATUS
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import FailureRecord, RegisterRunResult, RunStatusUpdate
 from rlpipe.storage.db import Database
@@ -17,7 +18,7 @@ class BookkeepingActivities:
         self.db = db
         self.servers = servers
 
-    @activity.defn(name="register_run")
+    @activity.defn(name=REGISTER_RUN.name)
     async def register_run(self, config: RunConfig) -> RegisterRunResult:
         def write() -> None:
             with self.db.begin() as s:
@@ -26,7 +27,7 @@ class BookkeepingActivities:
         await asyncio.to_thread(write)
         return RegisterRunResult(servers=self.servers)
 
-    @activity.defn(name="set_run_status")
+    @activity.defn(name=SET_RUN_STATUS.name)
     async def set_run_status(self, update: RunStatusUpdate) -> None:
         def write() -> None:
             with self.db.begin() as s:
@@ -34,7 +35,7 @@ class BookkeepingActivities:
 
         await asyncio.to_thread(write)
 
-    @activity.defn(name="record_failure")
+    @activity.defn(name=RECORD_FAILURE.name)
     async def record_failure(self, record: FailureRecord) -> None:
         def write() -> None:
             with self.db.begin() as s:

@@ -8,6 +8,7 @@ import asyncio
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.activities.definitions import EVALUATE
 from rlpipe.envs.base import Executor
 from rlpipe.evaluation.heldout import evaluate_served_version
 from rlpipe.graders.base import GraderDeps
@@ -29,7 +30,7 @@ class EvaluationActivities:
         self.executor = executor
         self.deps = deps
 
-    @activity.defn(name="evaluate")
+    @activity.defn(name=EVALUATE.name)
     @instrumented("grader", "eval")
     async def evaluate(self, inp: EvalInput) -> EvalSummary:
         ctx = self.contexts.get(inp.run_id)

@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.activities.definitions import GRADE_GROUP
 from rlpipe.envs.base import Rubric
 from rlpipe.graders.base import Grader, GraderDeps
 from rlpipe.graders.registry import build_rubric_graders
@@ -31,7 +32,7 @@ class GradingActivities:
             self._graders[run_id] = build_rubric_graders(ctx.env.rubric, ctx.config.grader, self.deps)
         return self._graders[run_id]
 
-    @activity.defn(name="grade_group")
+    @activity.defn(name=GRADE_GROUP.name)
     @instrumented("grader", "grade")
     async def grade_group(self, inp: GradeGroupInput) -> GradeGroupResult:
         ctx = self.contexts.get(inp.run_id)

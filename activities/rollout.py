@@ -7,6 +7,7 @@ import asyncio
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.activities.definitions import FINISH_GROUP, GENERATE, START_GROUP
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.observe.metrics import METRICS
@@ -43,7 +44,7 @@ class RolloutActivities:
             self._clients[key] = InferenceClient(self.servers[server], model, route="generate")
         return self._clients[key]
 
-    @activity.defn(name="start_group")
+    @activity.defn(name=START_GROUP.name)
     @instrumented("persist", "rollout")
     async def start_group(self, inp: StartGroupInput) -> StartGroupResult:
         ctx = self.contexts.get(inp.run_id)
@@ -60,7 +61,7 @@ class RolloutActivities:
 
         return StartGroupResult(trajectory_ids=await asyncio.to_thread(write), task_id=task.id)
 
-    @activity.defn(name="generate")
+    @activity.defn(name=GENERATE.name)
     @instrumented("rollout", "generate")
     async def generate(self, inp: GenerateInput) -> GenerateResult:
         ctx = self.contexts.get(inp.run_id)
@@ -92,7 +93,7 @@ class RolloutActivities:
         METRICS.observe_generation(inp.run_id, len(turn.output_ids))
         return _summary(turn, ctx.env.max_turns)
 
-    @activity.defn(name="finish_group")
+    @activity.defn(name=FINISH_GROUP.name)
     @instrumented("persist", "persist")
     async def finish_group(self, inp: FinishGroupInput) -> GroupSummary:
         ctx = self.contexts.get(inp.run_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.activities.definitions import SYNC_WEIGHTS
 from rlpipe.schemas.payloads import SyncInput, SyncResult
 from rlpipe.storage.db import Database
 from rlpipe.weights.sidecar import Sidecar
@@ -16,7 +17,7 @@ class SyncActivities:
         self.db = db  # `instrumented` records failures and spans through it
         self.sidecar = sidecar
 
-    @activity.defn(name="sync_weights")
+    @activity.defn(name=SYNC_WEIGHTS.name)
     @instrumented("sync", "sync")
     async def sync_weights(self, inp: SyncInput) -> SyncResult:
         outcome = await heartbeating(self.sidecar.sync(inp.run_id, inp.version))

@@ -8,6 +8,7 @@ import time
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.activities.definitions import RUN_TOOL
 from rlpipe.envs.base import Executor
 from rlpipe.envs.toolcalls import ToolCall
 from rlpipe.observe.metrics import METRICS
@@ -30,7 +31,7 @@ class ToolActivities:
             self._latency[run_id] = LatencyInjector(self.contexts.get(run_id).config.rollout.tool_latency)
         return self._latency[run_id]
 
-    @activity.defn(name="run_tool")
+    @activity.defn(name=RUN_TOOL.name)
     @instrumented("sandbox", "tool")
     async def run_tool(self, inp: ToolInput) -> ToolResult:
         ctx = self.contexts.get(inp.run_id)

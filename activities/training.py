@@ -7,6 +7,7 @@ import asyncio
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
+from rlpipe.activities.definitions import INIT_POLICY, TRAIN_STEP
 from rlpipe.observe.metrics import METRICS
 from rlpipe.schemas.payloads import InitPolicyInput, PublishedVersion, StepSummary, TrainStepInput
 from rlpipe.storage.db import Database
@@ -18,12 +19,12 @@ class TrainingActivities:
         self.db = db
         self.trainer = trainer
 
-    @activity.defn(name="init_policy")
+    @activity.defn(name=INIT_POLICY.name)
     @instrumented("trainer", "train")
     async def init_policy(self, inp: InitPolicyInput) -> PublishedVersion:
         return await heartbeating(asyncio.to_thread(self.trainer.init_policy, inp.run_id))
 
-    @activity.defn(name="train_step")
+    @activity.defn(name=TRAIN_STEP.name)
     @instrumented("trainer", "train")
     async def train_step(self, inp: TrainStepInput) -> StepSummary:
         summary = await heartbeating(asyncio.to_thread(self.trainer.train_step, inp))

@@ -98,13 +98,15 @@ class PostgresService(Service):
             os.chown(self.password_file, 0, 0)
 
     def _make_traversable(self, user: str | None) -> None:
-        """Let the unprivileged server user reach its data dir through the parent folders."""
+        """Let the unprivileged server user reach its data dir and the Postgres binaries (in the
+        virtual environment, which may lie in a private folder such as root's home or a `mktemp -d`)
+        through their parent folders: each gets the search bit for others, never the read bit."""
         if user is None:
             return
         entry = pwd.getpwnam(user)
         os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
         os.chown(self.dir, entry.pw_uid, entry.pw_gid)
-        for parent in [*self.dir.parents]:
+        for parent in {*self.dir.parents, *postgres_bin_dir().resolve().parents}:
             mode = parent.stat().st_mode
             if not mode & 0o001:
                 parent.chmod(mode | 0o001)

@@ -17,11 +17,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from rlpipe.activities import definitions as act
     from rlpipe.schemas.payloads import (
-        GRADER_QUEUE,
-        ROLLOUT_QUEUE,
-        SANDBOX_QUEUE,
-        WORKFLOW_QUEUE,
         FailureRecord,
         FinishGroupInput,
         GenerateInput,
@@ -33,8 +30,8 @@ with workflow.unsafe.imports_passed_through():
         StartGroupInput,
         StartGroupResult,
         ToolInput,
-        ToolResult,
     )
+    from rlpipe.workflows.calls import execute
     from rlpipe.workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
 
 GROUP_FINISHED_SIGNAL = "group_finished"
@@ -48,10 +45,9 @@ class RolloutGroupWorkflow:
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupSummary:
-        started: StartGroupResult = await workflow.execute_activity(
-            "start_group", StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
-                                           inp.group_size + inp.hedge_samples),
-            result_type=StartGroupResult, task_queue=ROLLOUT_QUEUE, **BOOKKEEPING)
+        started: StartGroupResult = await execute(
+            act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
+                                             inp.group_size + inp.hedge_samples), **BOOKKEEPING)
         ids = started.trajectory_ids
         samples = [asyncio.create_task(self._sample(inp, i, ids[i])) for i in range(len(ids))]
 
@@ -82,18 +78,17 @@ class RolloutGroupWorkflow:
         rewards: list[float] = []
         if status == "completed":
             try:
-                graded: GradeGroupResult = await workflow.execute_activity(
-                    "grade_group", GradeGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept]),
-                    result_type=GradeGroupResult, task_queue=GRADER_QUEUE,
+                graded: GradeGroupResult = await execute(
+                    act.GRADE_GROUP, GradeGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept]),
                     **grade_options(inp.grade_timeout_s, inp.grade_attempts))
                 rewards = graded.rewards
             except ActivityError as err:
                 status, reason = "failed", f"grading failed: {_cause(err)}"
 
-        summary: GroupSummary = await workflow.execute_activity(
-            "finish_group", FinishGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept] if rewards else [],
-                                             rewards, left_out if rewards else ids, status, reason),
-            result_type=GroupSummary, task_queue=ROLLOUT_QUEUE, **BOOKKEEPING)
+        summary: GroupSummary = await execute(
+            act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept] if rewards else [],
+                                               rewards, left_out if rewards else ids, status, reason),
+            **BOOKKEEPING)
         try:
             await workflow.get_external_workflow_handle(inp.run_workflow_id).signal(GROUP_FINISHED_SIGNAL, summary)
         except Exception:  # noqa: BLE001 - the run has ended (cancelled or finished): nobody to tell
@@ -104,13 +99,12 @@ class RolloutGroupWorkflow:
         """One episode: model turns and the tool calls they make, until the episode is done."""
         try:
             for turn in range(inp.max_turns):
-                generated: GenerateResult = await workflow.execute_activity(
-                    "generate", GenerateInput(inp.run_id, trajectory_id, turn, inp.server),
-                    result_type=GenerateResult, task_queue=ROLLOUT_QUEUE,
+                generated: GenerateResult = await execute(
+                    act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, inp.server),
                     **generate_options(inp.generate_timeout_s, inp.generate_attempts))
-                calls = [workflow.execute_activity(
-                    "run_tool", ToolInput(inp.run_id, trajectory_id, turn, call), result_type=ToolResult,
-                    task_queue=SANDBOX_QUEUE, **tool_options(inp.tool_timeout_s, inp.tool_attempts))
+                calls = [execute(
+                    act.RUN_TOOL, ToolInput(inp.run_id, trajectory_id, turn, call),
+                    **tool_options(inp.tool_timeout_s, inp.tool_attempts))
                     for call in range(generated.n_tool_calls)]
                 await asyncio.gather(*calls)
                 if generated.done:
@@ -120,10 +114,10 @@ class RolloutGroupWorkflow:
             self.failed[index] = _cause(err)
 
     async def _record(self, inp: GroupInput, kind: str, message: str) -> None:
-        await workflow.execute_activity(
-            "record_failure", FailureRecord(inp.run_id, kind, message, workflow_id=workflow.info().workflow_id,
-                                            activity_id=f"group-{inp.group_index}"),
-            task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+        await execute(
+            act.RECORD_FAILURE, FailureRecord(inp.run_id, kind, message, workflow_id=workflow.info().workflow_id,
+                                              activity_id=f"group-{inp.group_index}"),
+            **BOOKKEEPING)
 
 
 def _cause(err: BaseException) -> str:

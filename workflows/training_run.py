@@ -24,13 +24,11 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
+    from rlpipe.activities import definitions as act
     from rlpipe.schemas.config import RunConfig, describe_validation_error
     from rlpipe.schemas.payloads import (
-        GRADER_QUEUE,
-        TRAINER_QUEUE,
         WORKFLOW_QUEUE,
         EvalInput,
-        EvalSummary,
         FailureRecord,
         GroupInput,
         GroupSummary,
@@ -51,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         sync_queue,
     )
     from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server
+    from rlpipe.workflows.calls import execute
     from rlpipe.workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
     from rlpipe.workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
 
@@ -113,15 +112,13 @@ class TrainingRunWorkflow:
         cfg = self.config
         # update handlers may run before `run` (a pause sent with the start): keep what they set
         self.state.sync_interval, self.state.max_staleness = cfg.sync.interval, cfg.staleness
-        registered: RegisterRunResult = await workflow.execute_activity(
-            "register_run", cfg, result_type=RegisterRunResult, task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+        registered: RegisterRunResult = await execute(act.REGISTER_RUN, cfg, **BOOKKEEPING)
         if not registered.servers:
             raise ApplicationError("no inference servers are configured for the workers (INFERENCE_URLS or "
                                    "`rlpipe stack up --inference N`)", non_retryable=True)
         self.state.servers = registered.servers
         self._set_phase("publishing base policy")
-        base: PublishedVersion = await workflow.execute_activity(
-            "init_policy", InitPolicyInput(cfg.name), result_type=PublishedVersion, task_queue=TRAINER_QUEUE, **TRAIN)
+        base: PublishedVersion = await execute(act.INIT_POLICY, InitPolicyInput(cfg.name), **TRAIN)
         self.state.version, self.state.version_steps = base.version, [base.trained_steps]
         await self._sync(base.version)
         if not self.state.server_versions:
@@ -234,12 +231,12 @@ class TrainingRunWorkflow:
         step = s.step + 1
         publish = step % s.sync_interval == 0 or step == cfg.steps
         self._set_phase("training")
-        summary: StepSummary = await workflow.execute_activity(
-            "train_step",
+        summary: StepSummary = await execute(
+            act.TRAIN_STEP,
             TrainStepInput(run_id=cfg.name, step=step, policy_version=s.version,
                            min_trained_steps=(step - 1) - s.max_staleness,
                            groups_per_step=cfg.rollout.groups_per_step, publish=publish),
-            result_type=StepSummary, task_queue=TRAINER_QUEUE, **TRAIN)
+            **TRAIN)
         consumed, dropped = set(summary.consumed_groups), set(summary.dropped_groups)
         s.ready = [g for g in s.ready if g.group_index not in consumed | dropped]
         s.groups_consumed += len(consumed)
@@ -256,8 +253,8 @@ class TrainingRunWorkflow:
     async def _sync(self, version: int) -> None:
         """Load `version` into every server in parallel; a server that fails keeps its old version."""
         self._set_phase(f"syncing v{version}")
-        calls = [workflow.execute_activity("sync_weights", SyncInput(self.config.name, version), result_type=SyncResult,
-                                           task_queue=sync_queue(server), **sync_options(self.config.sync.timeout_s))
+        calls = [execute(act.SYNC_WEIGHTS, SyncInput(self.config.name, version), task_queue=sync_queue(server),
+                         **sync_options(self.config.sync.timeout_s))
                  for server in self.state.servers]
         for server, outcome in zip(self.state.servers, await asyncio.gather(*calls, return_exceptions=True),
                                    strict=True):
@@ -265,12 +262,12 @@ class TrainingRunWorkflow:
                 self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
             else:
                 why = outcome.error if isinstance(outcome, SyncResult) else _describe(outcome)
-                await workflow.execute_activity(
-                    "record_failure", FailureRecord(self.config.name, "sync",
-                                                    f"server {server} did not take version {version}: {why}",
-                                                    workflow_id=workflow.info().workflow_id,
-                                                    activity_id=f"sync-{server}-v{version}"),
-                    task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+                await execute(
+                    act.RECORD_FAILURE, FailureRecord(self.config.name, "sync",
+                                                      f"server {server} did not take version {version}: {why}",
+                                                      workflow_id=workflow.info().workflow_id,
+                                                      activity_id=f"sync-{server}-v{version}"),
+                    **BOOKKEEPING)
         self._publish_attributes()
 
     async def _sync_and_evaluate(self, version: int, step: int) -> None:
@@ -287,16 +284,14 @@ class TrainingRunWorkflow:
             return
         self._set_phase(f"evaluating v{version}")
         try:
-            result: EvalSummary = await workflow.execute_activity(
-                "evaluate", EvalInput(self.config.name, version, holders[0]), result_type=EvalSummary,
-                task_queue=GRADER_QUEUE, **EVALUATE)
+            result = await execute(act.EVALUATE, EvalInput(self.config.name, version, holders[0]), **EVALUATE)
             self.state.evals.append(result)
         except ActivityError as err:  # an evaluation is worth having, not worth stopping the run for
-            await workflow.execute_activity(
-                "record_failure", FailureRecord(self.config.name, "eval", f"evaluation of v{version} failed: "
-                                                f"{_describe(err)}", workflow_id=workflow.info().workflow_id,
-                                                activity_id=f"eval-v{version}"),
-                task_queue=WORKFLOW_QUEUE, **BOOKKEEPING)
+            await execute(
+                act.RECORD_FAILURE, FailureRecord(self.config.name, "eval", f"evaluation of v{version} failed: "
+                                                  f"{_describe(err)}", workflow_id=workflow.info().workflow_id,
+                                                  activity_id=f"eval-v{version}"),
+                **BOOKKEEPING)
         self._set_phase("running")
 
     async def _await_sync(self) -> None:
@@ -392,8 +387,8 @@ class TrainingRunWorkflow:
             PHASE.value_set(self.state.phase)])
 
     async def _set_status(self, status: str, reason: str | None) -> None:
-        await workflow.execute_activity("set_run_status", RunStatusUpdate(self.config.name, status, reason),
-                                        task_queue=WORKFLOW_QUEUE, start_to_close_timeout=timedelta(seconds=60))
+        await execute(act.SET_RUN_STATUS, RunStatusUpdate(self.config.name, status, reason),
+                      start_to_close_timeout=timedelta(seconds=60))
 
 
 def _validated(config: RunConfig | dict) -> RunConfig:

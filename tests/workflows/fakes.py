@@ -6,11 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from rlpipe.activities.definitions import (
+    EVALUATE,
+    FINISH_GROUP,
+    GENERATE,
+    GRADE_GROUP,
+    INIT_POLICY,
+    RECORD_FAILURE,
+    REGISTER_RUN,
+    RUN_TOOL,
+    SET_RUN_STATUS,
+    START_GROUP,
+    SYNC_WEIGHTS,
+    TRAIN_STEP,
+)
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import (
     EvalInput,
@@ -61,18 +77,18 @@ class FakeBooks:
     def log(self, kind: str, index: int) -> None:
         self.events.append((time.monotonic(), kind, index))
 
-    def activities(self) -> list:  # type: ignore[type-arg]
+    def activities(self) -> list[Callable[..., Any]]:
         books = self
 
-        @activity.defn(name="register_run")
+        @activity.defn(name=REGISTER_RUN.name)
         async def register_run(config: RunConfig) -> RegisterRunResult:
             return RegisterRunResult(servers=books.servers)
 
-        @activity.defn(name="init_policy")
+        @activity.defn(name=INIT_POLICY.name)
         async def init_policy(inp: InitPolicyInput) -> PublishedVersion:
             return PublishedVersion(0, 0, "k0", "0" * 64)
 
-        @activity.defn(name="sync_weights")
+        @activity.defn(name=SYNC_WEIGHTS.name)
         async def sync_weights(inp: SyncInput) -> SyncResult:
             server = next(s for s in books.servers if sync_queue(s) == activity.info().task_queue)
             if server in books.down:
@@ -83,7 +99,7 @@ class FakeBooks:
             books.log("sync_end", inp.version)
             return SyncResult(server, inp.version, "ok", 0.02)
 
-        @activity.defn(name="start_group")
+        @activity.defn(name=START_GROUP.name)
         async def start_group(inp: StartGroupInput) -> StartGroupResult:
             books.log("group_start", inp.group_index)
             books.groups.setdefault(inp.group_index, {"version": books.server_version.get("0", 0),
@@ -91,24 +107,24 @@ class FakeBooks:
             return StartGroupResult(trajectory_ids=[inp.group_index * 100 + i for i in range(inp.n_samples)],
                                     task_id=f"t{inp.group_index}")
 
-        @activity.defn(name="generate")
+        @activity.defn(name=GENERATE.name)
         async def generate(inp: GenerateInput) -> GenerateResult:
             books.generated_on.append(inp.server)
             await asyncio.sleep(books.generate_delay_s)
             calls = 1 if inp.turn_index < books.tool_turns else 0
             return GenerateResult(n_tool_calls=calls, done=calls == 0, n_tokens=3, version=0, finish_reason="stop")
 
-        @activity.defn(name="run_tool")
+        @activity.defn(name=RUN_TOOL.name)
         async def run_tool(inp: ToolInput) -> ToolResult:
             return ToolResult("ok", 0.0)
 
-        @activity.defn(name="grade_group")
+        @activity.defn(name=GRADE_GROUP.name)
         async def grade_group(inp: GradeGroupInput) -> GradeGroupResult:
             if books.grading_error is not None:
                 raise ApplicationError(books.grading_error, non_retryable=True)
             return GradeGroupResult([float(i % 2) for i in range(len(inp.trajectory_ids))], 0)
 
-        @activity.defn(name="finish_group")
+        @activity.defn(name=FINISH_GROUP.name)
         async def finish_group(inp: FinishGroupInput) -> GroupSummary:
             group = books.groups[inp.group_index]
             group["status"] = inp.status
@@ -116,7 +132,7 @@ class FakeBooks:
             return GroupSummary(inp.group_index, inp.status, group["version"], len(inp.trajectory_ids), 0.5,
                                 reason=inp.reason)
 
-        @activity.defn(name="train_step")
+        @activity.defn(name=TRAIN_STEP.name)
         async def train_step(inp: TrainStepInput) -> StepSummary:
             books.log("train_start", inp.step)
             completed = sorted(i for i, g in books.groups.items()
@@ -137,16 +153,16 @@ class FakeBooks:
             books.log("train_end", inp.step)
             return StepSummary(inp.step, 0.1, 0.5, worst, 10, fresh, stale, published, books.train_delay_s)
 
-        @activity.defn(name="evaluate")
+        @activity.defn(name=EVALUATE.name)
         async def evaluate(inp: EvalInput) -> EvalSummary:
             books.log("eval", inp.version)
             return EvalSummary(inp.version, 10, 0.5, 0.2, 0.8)
 
-        @activity.defn(name="record_failure")
+        @activity.defn(name=RECORD_FAILURE.name)
         async def record_failure(record: FailureRecord) -> None:
             books.failures.append(record)
 
-        @activity.defn(name="set_run_status")
+        @activity.defn(name=SET_RUN_STATUS.name)
         async def set_run_status(update: RunStatusUpdate) -> None:
             books.statuses.append(update.status)
 
