@@ -22,13 +22,10 @@ with workflow.unsafe.imports_passed_through():
         FailureRecord,
         FinishGroupInput,
         GenerateInput,
-        GenerateResult,
         GradeGroupInput,
-        GradeGroupResult,
         GroupInput,
         GroupSummary,
         StartGroupInput,
-        StartGroupResult,
         ToolInput,
     )
     from rlpipe.workflows.calls import execute
@@ -45,7 +42,7 @@ class RolloutGroupWorkflow:
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupSummary:
-        started: StartGroupResult = await execute(
+        started = await execute(
             act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
                                              inp.group_size + inp.hedge_samples), **BOOKKEEPING)
         ids = started.trajectory_ids
@@ -78,14 +75,14 @@ class RolloutGroupWorkflow:
         rewards: list[float] = []
         if status == "completed":
             try:
-                graded: GradeGroupResult = await execute(
+                graded = await execute(
                     act.GRADE_GROUP, GradeGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept]),
                     **grade_options(inp.grade_timeout_s, inp.grade_attempts))
                 rewards = graded.rewards
             except ActivityError as err:
                 status, reason = "failed", f"grading failed: {_cause(err)}"
 
-        summary: GroupSummary = await execute(
+        summary = await execute(
             act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept] if rewards else [],
                                                rewards, left_out if rewards else ids, status, reason),
             **BOOKKEEPING)
@@ -99,7 +96,7 @@ class RolloutGroupWorkflow:
         """One episode: model turns and the tool calls they make, until the episode is done."""
         try:
             for turn in range(inp.max_turns):
-                generated: GenerateResult = await execute(
+                generated = await execute(
                     act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, inp.server),
                     **generate_options(inp.generate_timeout_s, inp.generate_attempts))
                 calls = [execute(

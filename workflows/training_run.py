@@ -34,15 +34,12 @@ with workflow.unsafe.imports_passed_through():
         GroupSummary,
         InitPolicyInput,
         PauseRequest,
-        PublishedVersion,
-        RegisterRunResult,
         RunResult,
         RunState,
         RunStatus,
         RunStatusUpdate,
         ScheduleUpdate,
         ServerState,
-        StepSummary,
         SyncInput,
         SyncResult,
         TrainStepInput,
@@ -112,13 +109,13 @@ class TrainingRunWorkflow:
         cfg = self.config
         # update handlers may run before `run` (a pause sent with the start): keep what they set
         self.state.sync_interval, self.state.max_staleness = cfg.sync.interval, cfg.staleness
-        registered: RegisterRunResult = await execute(act.REGISTER_RUN, cfg, **BOOKKEEPING)
+        registered = await execute(act.REGISTER_RUN, cfg, **BOOKKEEPING)
         if not registered.servers:
             raise ApplicationError("no inference servers are configured for the workers (INFERENCE_URLS or "
                                    "`rlpipe stack up --inference N`)", non_retryable=True)
         self.state.servers = registered.servers
         self._set_phase("publishing base policy")
-        base: PublishedVersion = await execute(act.INIT_POLICY, InitPolicyInput(cfg.name), **TRAIN)
+        base = await execute(act.INIT_POLICY, InitPolicyInput(cfg.name), **TRAIN)
         self.state.version, self.state.version_steps = base.version, [base.trained_steps]
         await self._sync(base.version)
         if not self.state.server_versions:
@@ -231,7 +228,7 @@ class TrainingRunWorkflow:
         step = s.step + 1
         publish = step % s.sync_interval == 0 or step == cfg.steps
         self._set_phase("training")
-        summary: StepSummary = await execute(
+        summary = await execute(
             act.TRAIN_STEP,
             TrainStepInput(run_id=cfg.name, step=step, policy_version=s.version,
                            min_trained_steps=(step - 1) - s.max_staleness,
