@@ -165,10 +165,12 @@ async def outage_run(stack: Stack, temporal_client: Client, pipeline_workers, mi
         schedule_cli = cli(stack, "run", "schedule", name, "--sync-interval", "3")
         status_after_refusals = await run_commands.run_status(temporal_client, name)
         s3_failure = await until(lambda: rows(migrated_db, "select message from failures where run_id = :r and "
-                                                           "activity = 'init_policy'", r=name), "a failed publish")
+                                                           "activity = 'init_policy' order by id", r=name),
+                                 "a failed publish")
+        # counted before S3 returns: the publish keeps being retried while paused, and may succeed at once
+        counts_while_paused = stored_counts(migrated_db, name)
     finally:
         stack.start(seaweed, progress=quiet)
-    counts_while_paused = stored_counts(migrated_db, name)
     await run_commands.resume(temporal_client, name)
 
     # Postgres goes away while groups are generating: activities fail and are retried
