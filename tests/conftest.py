@@ -183,6 +183,22 @@ def inference_servers(stack: Stack, tiny_model: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def spare_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A vLLM server with the tiny model that no worker uses (own state directory and port), for
+    tests that load weights into it and pause it; started once (~35 s), stopped at the end."""
+    from rlpipe.infra.inference import InferenceService
+
+    settings = StackSettings(home=tmp_path_factory.mktemp("spare-server"), inference_servers=1,
+                             inference_base_port=free_port_block(1), inference_model=tiny_model)
+    stack, service = Stack(settings), InferenceService(settings, 0)
+    stack.start(service, progress=lambda msg: None)
+    try:
+        yield service.address()
+    finally:
+        stack.stop_service(service, progress=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
 def pipeline_workers(stack: Stack, inference_servers: list[str]):  # type: ignore[no-untyped-def]
     """The real worker processes (rollout, sandbox, grader, trainer, sync sidecar) on the stack."""
     from rlpipe.workers.launcher import WorkerSet

