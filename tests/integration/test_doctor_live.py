@@ -82,7 +82,8 @@ async def test_a_healthy_run_passes(temporal_client: Client, pipeline_workers, m
 async def test_a_slow_grader_is_named(temporal_client: Client, pipeline_workers, migrated_db: Database,
                                       tiny_model: Path, slow_judge: str) -> None:
     judge = tiny_judge(slow_judge)
-    findings = await diagnosed(temporal_client, migrated_db, tiny_model, steps=3,
+    # few eval prompts: each is judged too, JUDGE_DELAY_S apiece, one at a time
+    findings = await diagnosed(temporal_client, migrated_db, tiny_model, steps=3, eval={"prompts": 4},
                                grader={"name": "judge", "concurrency": 1, "judge": judge})
     grader = findings[doctor.GRADER_SHARE]
     assert grader.status == "problem", grader
