@@ -56,6 +56,7 @@ $(TRL_STAMP):
 
 test: venv
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 # Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md.

@@ -16,6 +16,7 @@ from rlpipe.rollout.assemble import assemble
 from rlpipe.rollout.context import RunContexts
 from rlpipe.rollout.generation import plan_turn, sample_turn, turn_row
 from rlpipe.rollout.tokens import request_seed
+from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import (
     FinishGroupInput,
     GenerateInput,
@@ -24,6 +25,7 @@ from rlpipe.schemas.payloads import (
     StartGroupInput,
     StartGroupResult,
 )
+from rlpipe.schemas.tables import Turn
 from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.weights.labels import settle_completion, verdicts
@@ -85,7 +87,7 @@ class RolloutActivities:
         row = turn_row(trajectory, inp.turn_index, plan, completion, latency, inp.server, ctx.env, task,
                        last_turn=inp.turn_index + 1 >= ctx.env.max_turns)
 
-        def save():  # type: ignore[no-untyped-def]
+        def save() -> Turn:
             with self.db.begin() as s:
                 return buffer.save_turn(s, row)
 
@@ -117,7 +119,7 @@ class RolloutActivities:
         return summary
 
 
-def _group_advantages(rewards: list[float], config) -> list[float | None]:  # type: ignore[no-untyped-def]
+def _group_advantages(rewards: list[float], config: RunConfig) -> list[float | None]:
     """Group-relative advantages, computed once when the group completes. A batch-level estimator
     (batch_whitened) needs the whole step's batch, so the trainer computes it at claim time."""
     if not rewards or config.advantage.kind == "batch_whitened":
@@ -125,7 +127,7 @@ def _group_advantages(rewards: list[float], config) -> list[float | None]:  # ty
     return compute_advantages(rewards, [0] * len(rewards), config.advantage).tolist()
 
 
-def _summary(turn, max_turns: int) -> GenerateResult:  # type: ignore[no-untyped-def]
+def _summary(turn: Turn, max_turns: int) -> GenerateResult:
     calls = len(turn.tool_calls or [])
     return GenerateResult(n_tool_calls=calls, done=calls == 0 or turn.turn_index + 1 >= max_turns,
                           n_tokens=len(turn.output_ids), version=turn.version_before,

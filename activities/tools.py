@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from temporalio import activity
 
@@ -36,7 +37,7 @@ class ToolActivities:
     async def run_tool(self, inp: ToolInput) -> ToolResult:
         ctx = self.contexts.get(inp.run_id)
 
-        def load() -> dict:  # type: ignore[type-arg]
+        def load() -> dict[str, Any]:
             with self.db.begin() as s:
                 return dict((buffer.get_turn(s, inp.trajectory_id, inp.turn_index).tool_calls or [])[inp.call_index])
 
@@ -51,7 +52,7 @@ class ToolActivities:
         result = {"ok": outcome.ok, "output": output.replace("\x00", "\ufffd"), "reason": outcome.reason,
                   "status": "ok" if outcome.ok else "error", "latency_s": time.monotonic() - started}
 
-        def save() -> dict:  # type: ignore[type-arg]
+        def save() -> dict[str, Any]:
             with self.db.begin() as s:
                 return buffer.save_tool_result(s, inp.trajectory_id, inp.turn_index, inp.call_index, result)
 

@@ -7,7 +7,9 @@ never put into workflow inputs or Temporal history.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from rlpipe.infra.settings import StackSettings
 
@@ -88,11 +90,11 @@ def check_external(settings: StackSettings) -> list[tuple[str, str, bool, str]]:
     if settings.external_temporal is not None:
         rows.append(("temporal (external)", settings.external_temporal, *_probe(lambda: _check_temporal(settings))))
     for url in settings.external_inference_urls:
-        rows.append(("inference (external)", url, *_probe(lambda u=url: _check_http(u + "/health"))))
+        rows.append(("inference (external)", url, *_probe(partial(_check_http, url + "/health"))))
     return rows
 
 
-def _probe(check) -> tuple[bool, str]:  # type: ignore[no-untyped-def]
+def _probe(check: Callable[[], object]) -> tuple[bool, str]:
     try:
         check()
         return True, "healthy"

@@ -13,8 +13,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import psutil
 
@@ -105,7 +107,15 @@ def spawn(
     return ProcessRecord(name=name, pid=proc.pid, started_at=started_at, argv=argv, log=str(log))
 
 
-def as_user(user: str | None) -> dict[str, object]:
+class ChildIdentity(TypedDict, total=False):
+    """The Popen arguments that say whom a child runs as."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+
+
+def as_user(user: str | None) -> ChildIdentity:
     """Popen arguments that run a child as `user` with that user's own group and no others
     (keeping root's group would let the child past group permission bits, or stop it at them)."""
     if user is None:
@@ -190,7 +200,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(check, timeout_s: float, interval_s: float = 0.25) -> bool:  # type: ignore[no-untyped-def]
+def wait_for(check: Callable[[], object], timeout_s: float, interval_s: float = 0.25) -> bool:
     """Poll `check()` until it returns truthy or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

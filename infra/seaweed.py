@@ -12,6 +12,7 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from rlpipe.infra.service import HealthError, Launch, Service
 
@@ -69,7 +70,7 @@ class SeaweedService(Service):
             "-master.volumeSizeLimitMB", "1024", "-volume.max", "0",
         ])
 
-    def _client(self):  # type: ignore[no-untyped-def]
+    def _client(self) -> Any:  # a boto3 S3 client (boto3 ships no type hints)
         import boto3
         from botocore.config import Config
 

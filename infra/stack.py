@@ -10,6 +10,7 @@ S3_ENDPOINT_URL, INFERENCE_URLS) is never started, only checked.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,14 +74,14 @@ class Stack:
         raise StackError(f"no local service named '{name}' (this stack has: {known})")
 
     # -- up ---------------------------------------------------------------------------------
-    def up(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+    def up(self, only: list[str] | None = None, progress: Callable[[str], None] = print) -> None:
         save_settings(self.settings)
         for svc in self.services():
             if only and svc.name not in only:
                 continue
             self.start(svc, progress)
 
-    def start(self, svc: Service, progress=print) -> None:  # type: ignore[no-untyped-def]
+    def start(self, svc: Service, progress: Callable[[str], None] = print) -> None:
         record = self.table.get(svc.name)
         if record is not None and record.is_running():
             self._wait_healthy(svc, timeout_s=svc.startup_timeout_s)
@@ -127,7 +128,7 @@ class Stack:
                          f"(port {svc.ports()[0]}): {last}. Log {svc.log}:\n{_tail(svc.log)}")
 
     # -- down -------------------------------------------------------------------------------
-    def down(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+    def down(self, only: list[str] | None = None, progress: Callable[[str], None] = print) -> None:
         for svc in reversed(self.services()):
             if only and svc.name not in only:
                 continue
@@ -140,7 +141,7 @@ class Stack:
             self.table.remove(name)
             progress(f"{name}: stopped")
 
-    def stop_service(self, svc: Service, progress=print) -> None:  # type: ignore[no-untyped-def]
+    def stop_service(self, svc: Service, progress: Callable[[str], None] = print) -> None:
         record = self.table.get(svc.name)
         if record is None:
             return

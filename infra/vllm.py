@@ -12,9 +12,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -170,9 +170,13 @@ class WeightReloadExtension:
     post-load processing after the reload rebuilds the copy from the shared, new weight.
     """
 
+    # provided by the vLLM worker this class is mixed into (declared only, so they shadow nothing)
+    model_runner: Any
+    reload_weights: Callable[..., object]
+
     def reload_weights_tied(self, weights_path: str) -> dict[str, bool]:
-        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        self.reload_weights(weights_path=weights_path)
+        model = self.model_runner.get_model()
         head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if head is None or embed is None or head.weight is not embed.weight:

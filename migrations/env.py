@@ -14,9 +14,16 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def run_migrations_online() -> None:
+def _database_url() -> str:
+    """The URL `rlpipe.migrations.alembic_config` was given, else an alembic.ini's sqlalchemy.url."""
     url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    if not url:
+        raise RuntimeError("no database URL to migrate: build the config with rlpipe.migrations.alembic_config(url)")
+    return str(url)
+
+
+def run_migrations_online() -> None:
+    engine = sa.create_engine(_database_url(), poolclass=sa.pool.NullPool)
     with engine.connect() as connection:
         connection.execute(sa.text("set lock_timeout = '10s'"))
         connection.execute(sa.text("set statement_timeout = '120s'"))
@@ -35,8 +42,7 @@ def run_migrations_online() -> None:
 def run_migrations_offline() -> None:
     """Write the migrations as one SQL script (`alembic upgrade --sql`), for a DBA who applies them
     by hand to a managed Postgres; nothing is connected to."""
-    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
-    context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
+    context.configure(url=_database_url(), target_metadata=target_metadata, literal_binds=True,
                       dialect_opts={"paramstyle": "named"})
     with context.begin_transaction():
         context.run_migrations()

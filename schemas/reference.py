@@ -50,10 +50,7 @@ def _type_name(annotation: object) -> str:
 
 
 def _default(field: FieldInfo) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(table)"
     return f"`{json.dumps(value, default=str)}`"

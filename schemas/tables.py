@@ -50,7 +50,7 @@ class Base(DeclarativeBase):
 
 
 id_pk = Annotated[int, mapped_column(BigInteger, Identity(), primary_key=True)]
-created_at = Annotated[datetime, mapped_column(server_default=func.now())]
+timestamp_now = Annotated[datetime, mapped_column(server_default=func.now())]
 run_fk = Annotated[str, mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)]
 int_ids = Annotated[list[int], mapped_column(ARRAY(Integer))]
 float_values = Annotated[list[float], mapped_column(ARRAY(REAL))]
@@ -87,8 +87,8 @@ class Run(Base):
     config: Mapped[dict[str, Any]]
     config_sha256: Mapped[str] = mapped_column(Text)
     """A second start of the same run name must carry the same config (idempotent start)."""
-    created_at: Mapped[created_at]
-    updated_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
+    updated_at: Mapped[timestamp_now]
     finished_at: Mapped[datetime | None]
 
 
@@ -118,7 +118,7 @@ class PolicyVersion(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     probe: Mapped[dict[str, Any] | None]
     """Probe token ids and the trainer's reference logprobs, to verify a sync."""
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
 
 
 class RolloutGroup(Base):
@@ -153,7 +153,7 @@ class RolloutGroup(Base):
     reward_mean: Mapped[float | None] = mapped_column(Float)
     reward_std: Mapped[float | None] = mapped_column(Float)
     claimed_step: Mapped[int | None]
-    started_at: Mapped[created_at]
+    started_at: Mapped[timestamp_now]
     completed_at: Mapped[datetime | None]
     consumed_at: Mapped[datetime | None]
 
@@ -196,7 +196,7 @@ class Trajectory(Base):
     finish_reason: Mapped[str | None]
     reward: Mapped[float | None] = mapped_column(Float)
     advantage: Mapped[float | None] = mapped_column(Float)
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
     completed_at: Mapped[datetime | None]
 
 
@@ -229,7 +229,7 @@ class Turn(Base):
     tool_calls: Mapped[list[Any] | None]
     """What the environment parsed from the output: tool calls with their results and latency."""
     tool_latency_s: Mapped[float | None] = mapped_column(Float)
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
 
 
 class Grade(Base):
@@ -248,7 +248,7 @@ class Grade(Base):
     details: Mapped[dict[str, Any] | None]
     latency_s: Mapped[float] = mapped_column(Float)
     cache_hit: Mapped[bool]
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
 
 
 class GraderCacheEntry(Base):
@@ -266,7 +266,7 @@ class GraderCacheEntry(Base):
     score: Mapped[float] = mapped_column(Float)
     details: Mapped[dict[str, Any] | None]
     hits: Mapped[int] = mapped_column(server_default="0")
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
 
 
 class TrainStep(Base):
@@ -361,7 +361,7 @@ class Failure(Base):
     error_type: Mapped[str] = mapped_column(Text)
     message: Mapped[str] = mapped_column(Text)
     details: Mapped[dict[str, Any] | None]
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]
 
 
 class ActivitySpan(Base):
@@ -409,4 +409,4 @@ class EvalResult(Base):
     accuracy: Mapped[float] = mapped_column(Float)
     mean_reward: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any] | None]
-    created_at: Mapped[created_at]
+    created_at: Mapped[timestamp_now]

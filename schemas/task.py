@@ -1,7 +1,9 @@
 """Configuration of the task side of a run: which environment the policy acts in, and how it is graded.
 
-Shapes only: no ML imports. The environment name is checked against `envs.registry` lazily (inside
-the validator), so importing this module stays cheap and free of import cycles.
+Shapes only: no ML imports, and none of the plugin packages (envs, graders), which build on these
+configs. The environment and grader names are checked against the registries loaded in this process
+(`rlpipe.registry.registered_names`): the command line and every worker load the built-in ones, and a
+name no loaded registry can vouch for is refused where the run builds its environment and graders.
 """
 
 import re
@@ -9,6 +11,8 @@ import string
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rlpipe.registry import registered_names
 
 ArithmeticOperator = Literal["+", "-", "*"]
 MAX_STRUCTURED_SCORE = 100  # a structured judge chooses among max_score + 1 replies
@@ -73,10 +77,8 @@ class EnvConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str) -> str:
-        from rlpipe.envs.registry import ENVIRONMENTS  # lazy: envs imports this module
-
-        known = ENVIRONMENTS.names()
-        if name not in known:
+        known = registered_names("environment")
+        if known is not None and name not in known:
             raise ValueError(
                 f"env.name {name!r} is not a registered environment: use one of {', '.join(known)} "
                 "or register yours with rlpipe.envs.registry.register_environment"
@@ -211,12 +213,11 @@ class GraderConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str | None) -> str | None:
-        from rlpipe.graders.registry import GRADERS  # lazy: keeps schemas free of grader imports
-
-        if name is not None and name not in GRADERS.names():
+        known = registered_names("grader")
+        if name is not None and known is not None and name not in known:
             raise ValueError(
                 f"grader.name {name!r} is not a registered grader: use one of "
-                f"{', '.join(GRADERS.names())}, or None for the environment's rubric"
+                f"{', '.join(known)}, or None for the environment's rubric"
             )
         return name
 

@@ -17,6 +17,10 @@ from temporalio.converter import DataConverter
 from temporalio.runtime import Runtime
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
+# The built-in environments and graders, loaded in every worker: a config's env.name and grader.name are
+# checked against the registries loaded in the process (rlpipe.registry), wherever a config is decoded.
+import rlpipe.envs.registry  # noqa: F401
+import rlpipe.graders.registry  # noqa: F401
 from rlpipe.infra.endpoints import Endpoints, resolve_endpoints
 from rlpipe.infra.process import free_port
 from rlpipe.infra.settings import load_settings

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class WorkerSet:
     def log(self, name: str) -> Path:
         return self.home / "workers" / f"{name}.log"
 
-    def up(self, only: list[str] | None = None, progress=print,  # type: ignore[no-untyped-def]
+    def up(self, only: list[str] | None = None, progress: Callable[[str], None] = print,
            grace_s: float = 8.0) -> list[ProcessRecord]:
         """Start the workers not running; those that die within `grace_s` are reported with their log."""
         started = []
@@ -81,7 +82,7 @@ class WorkerSet:
                 raise WorkerStartError(f"worker(s) {', '.join(r.name for r in dead)} exited at start:\n{tails}")
             time.sleep(0.5)
 
-    def down(self, only: list[str] | None = None, progress=print) -> None:  # type: ignore[no-untyped-def]
+    def down(self, only: list[str] | None = None, progress: Callable[[str], None] = print) -> None:
         for name, record in self.table.load().items():
             if only and name not in only:
                 continue

@@ -15,19 +15,25 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the sidecar needs --server ID (the inference server it syncs)")
     # each worker imports only what it needs: the trainer pulls torch, the sidecar does not
     if args.kind == "rollout":
-        from rlpipe.workers.rollout import run_rollout_worker as run
+        from rlpipe.workers.rollout import run_rollout_worker
+
+        asyncio.run(run_rollout_worker())
     elif args.kind == "sandbox":
-        from rlpipe.workers.sandbox import run_sandbox_worker as run
+        from rlpipe.workers.sandbox import run_sandbox_worker
+
+        asyncio.run(run_sandbox_worker())
     elif args.kind == "grader":
-        from rlpipe.workers.grader import run_grader_worker as run
+        from rlpipe.workers.grader import run_grader_worker
+
+        asyncio.run(run_grader_worker())
     elif args.kind == "trainer":
-        from rlpipe.workers.trainer import run_trainer_worker as run
+        from rlpipe.workers.trainer import run_trainer_worker
+
+        asyncio.run(run_trainer_worker())
     else:
         from rlpipe.workers.sidecar import run_sidecar_worker
 
         asyncio.run(run_sidecar_worker(args.server))
-        return
-    asyncio.run(run())
 
 
 if __name__ == "__main__":

@@ -3,19 +3,20 @@ name, the payload types and the task queue are written once, and the result come
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from rlpipe.activities.definitions import ActivityDefinition
+    from rlpipe.workflows.policies import ActivityOptions
 
 In = TypeVar("In")
 Out = TypeVar("Out")
 
 
 async def execute(activity: ActivityDefinition[In, Out], arg: In, *, task_queue: str | None = None,
-                  **options: Any) -> Out:
+                  **options: Unpack[ActivityOptions]) -> Out:
     """Run `activity` on `arg` and return its result. `task_queue` is for definitions without one
     (a sync goes to the queue of its server's sidecar); `options` are the timeouts and retry policy
     (workflows/policies.py)."""

@@ -8,6 +8,7 @@ calls heartbeat so a killed worker is noticed in a minute, not at the start-to-c
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TypedDict
 
 from temporalio.common import RetryPolicy
 
@@ -17,6 +18,15 @@ NON_RETRYABLE = ["InvalidGrade", "UnparsableJudgeOutput", "JudgeRequestRefused",
                  "DigestMismatch", "DuplicateRunName"]
 
 
+class ActivityOptions(TypedDict, total=False):
+    """The options of `workflow.execute_activity` that this module chooses (timeouts, retries)."""
+
+    schedule_to_close_timeout: timedelta
+    start_to_close_timeout: timedelta
+    heartbeat_timeout: timedelta
+    retry_policy: RetryPolicy
+
+
 def retry(attempts: int, first_s: float = 1.0, max_s: float = 30.0) -> RetryPolicy:
     """`attempts` tries (0 = unlimited) with exponential backoff from `first_s` to `max_s`."""
     return RetryPolicy(initial_interval=timedelta(seconds=first_s), backoff_coefficient=2.0,
@@ -24,20 +34,20 @@ def retry(attempts: int, first_s: float = 1.0, max_s: float = 30.0) -> RetryPoli
                        non_retryable_error_types=NON_RETRYABLE)
 
 
-BOOKKEEPING = {"start_to_close_timeout": timedelta(seconds=60), "retry_policy": retry(0, max_s=10)}
+BOOKKEEPING: ActivityOptions = {"start_to_close_timeout": timedelta(seconds=60), "retry_policy": retry(0, max_s=10)}
 """Database writes on the workflow queue: retried until the database is back."""
 
-TRAIN = {"start_to_close_timeout": timedelta(hours=2), "heartbeat_timeout": timedelta(seconds=30),
-         "retry_policy": retry(0, first_s=2, max_s=30)}
+TRAIN: ActivityOptions = {"start_to_close_timeout": timedelta(hours=2), "heartbeat_timeout": timedelta(seconds=30),
+                          "retry_policy": retry(0, first_s=2, max_s=30)}
 """A train step may take long; it heartbeats, and a killed trainer's step is retried on a new one."""
 
 
-EVALUATE = {"start_to_close_timeout": timedelta(minutes=30), "heartbeat_timeout": timedelta(seconds=60),
-            "retry_policy": retry(3, first_s=2)}
+EVALUATE: ActivityOptions = {"start_to_close_timeout": timedelta(minutes=30),
+                             "heartbeat_timeout": timedelta(seconds=60), "retry_policy": retry(3, first_s=2)}
 """A held-out evaluation: a few hundred greedy episodes through one server."""
 
 
-def sync_options(timeout_s: float) -> dict[str, object]:
+def sync_options(timeout_s: float) -> ActivityOptions:
     """Retried until `timeout_s` has passed in all, not for a count of attempts: a failed attempt
     usually means the server is restarting, and a vLLM start takes 40-150 s on 2 cores, longer than
     5 quick attempts last (~30 s). A base-policy sync that gives up fails the whole run, and a later
@@ -47,15 +57,15 @@ def sync_options(timeout_s: float) -> dict[str, object]:
             "heartbeat_timeout": timedelta(seconds=60), "retry_policy": retry(0, first_s=2, max_s=30)}
 
 
-def generate_options(timeout_s: float, attempts: int) -> dict[str, object]:
+def generate_options(timeout_s: float, attempts: int) -> ActivityOptions:
     return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=30),
             "retry_policy": retry(attempts)}
 
 
-def tool_options(timeout_s: float, attempts: int) -> dict[str, object]:
+def tool_options(timeout_s: float, attempts: int) -> ActivityOptions:
     return {"start_to_close_timeout": timedelta(seconds=timeout_s), "retry_policy": retry(attempts)}
 
 
-def grade_options(timeout_s: float, attempts: int) -> dict[str, object]:
+def grade_options(timeout_s: float, attempts: int) -> ActivityOptions:
     return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=60),
             "retry_policy": retry(attempts)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey, WorkflowIDReusePolicy
@@ -388,7 +389,7 @@ class TrainingRunWorkflow:
                       start_to_close_timeout=timedelta(seconds=60))
 
 
-def _validated(config: RunConfig | dict) -> RunConfig:
+def _validated(config: RunConfig | dict[str, Any]) -> RunConfig:
     """The run's config, validated. A run started with one JSON argument (the Web UI's Start
     Workflow form, `temporal workflow start --input`) arrives as a plain dict: Temporal applies
     the parameter types only when the argument count matches, and continue-as-new passes two.

@@ -24,7 +24,10 @@ def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(REPO)], cwd=dist)
+    build = run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(REPO)],
+                cwd=dist)
+    # setuptools builds a folder it finds but was not told about, with a warning: name it in pyproject.toml
+    assert "absent from the `packages` configuration" not in build.stderr, build.stderr[-3000:]
     (built,) = dist.glob("rlpipe-*.whl")
     return built
 
@@ -57,8 +60,9 @@ def test_the_wheel_holds_one_root_package_and_its_files(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"rlpipe"}
-    for data in ("configs/demo.toml", "migrations/script.py.mako", "migrations/versions", "infra/prometheus.yml",
-                 "infra/grafana/rlpipe-dashboard.json", "workflows/training_run.py", "cli/main.py"):
+    for data in ("py.typed", "configs/demo.toml", "migrations/script.py.mako", "migrations/versions",
+                 "infra/prometheus.yml", "infra/grafana/rlpipe-dashboard.json", "workflows/training_run.py",
+                 "cli/main.py"):
         assert any(name.startswith(f"rlpipe/{data}") for name in names), data
 
 

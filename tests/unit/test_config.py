@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# a config's env.name and grader.name are checked against the registries loaded in the process
+import rlpipe.envs.registry  # noqa: F401
+import rlpipe.graders.registry  # noqa: F401
 from rlpipe.schemas.config import ConfigError, RunConfig, load_run_config, parse_run_config
 from rlpipe.schemas.reference import render
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
@@ -30,7 +32,7 @@ def demo_config(model_dir: Path, config_file: Path = DEMO_CONFIG) -> RunConfig:
                                          "model": {**_table(config_file, "model"), "path": str(model_dir)}})
 
 
-def _table(config_file: Path, name: str) -> dict:  # type: ignore[type-arg]
+def _table(config_file: Path, name: str) -> dict[str, Any]:
     import tomllib
 
     return dict(tomllib.loads(config_file.read_text()).get(name, {}))
@@ -98,7 +100,7 @@ async def _train(config: RunConfig) -> str:
     return closed.name
 
 
-def _steps(total: int):  # type: ignore[no-untyped-def]
+def _steps(total: int) -> Callable[[str], None]:
     counter = iter(range(1, total + 1))
 
     def step(title: str) -> None:

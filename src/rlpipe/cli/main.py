@@ -6,13 +6,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from rich.console import Console
 from rich.table import Table
 
 from rlpipe.configs import shipped_config
+
+if TYPE_CHECKING:  # imported inside the commands that use them, to keep `rlpipe --help` fast
+    from alembic.config import Config as AlembicConfig
+    from temporalio.client import Client
+
+    from rlpipe.infra.stack import Stack
+    from rlpipe.workers.launcher import WorkerSet
+
+T = TypeVar("T")
 
 console = Console()
 
@@ -22,7 +32,7 @@ class CliError(Exception):
 
 
 # -- stack ---------------------------------------------------------------------------------------
-def _stack(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _stack(args: argparse.Namespace) -> Stack:
     from rlpipe.infra.settings import load_settings
     from rlpipe.infra.stack import Stack
 
@@ -58,7 +68,7 @@ def cmd_stack_status(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
-def print_status(stack) -> bool:  # type: ignore[no-untyped-def]
+def print_status(stack: Stack) -> bool:
     table = Table(title="rlpipe stack")
     for col in ("service", "address", "pid", "health", "log"):
         table.add_column(col)
@@ -105,7 +115,7 @@ def cmd_stack_env(args: argparse.Namespace) -> None:
 
 
 # -- db ------------------------------------------------------------------------------------------
-def _alembic(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _alembic(args: argparse.Namespace) -> AlembicConfig:
     from rlpipe.infra.endpoints import resolve_endpoints
     from rlpipe.infra.settings import load_settings
     from rlpipe.migrations import alembic_config
@@ -145,7 +155,7 @@ def cmd_model_prepare(args: argparse.Namespace) -> None:
 
 
 # -- workers -------------------------------------------------------------------------------------
-def _workers(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _workers(args: argparse.Namespace) -> WorkerSet:
     from rlpipe.infra.settings import load_settings
     from rlpipe.workers.launcher import WorkerSet
 
@@ -177,10 +187,10 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
 
 # -- runs ----------------------------------------------------------------------------------------
-def _client():  # type: ignore[no-untyped-def]
+async def _client() -> Client:
     from rlpipe.workers.common import connect, endpoints
 
-    return connect(endpoints())
+    return await connect(endpoints())
 
 
 def cmd_run_start(args: argparse.Namespace) -> None:
@@ -210,10 +220,10 @@ def cmd_run_start(args: argparse.Namespace) -> None:
     asyncio.run(go())
 
 
-def _run_call(fn):  # type: ignore[no-untyped-def]
+def _run_call(fn: Callable[[Client], Awaitable[T]]) -> T:
     import asyncio
 
-    async def go():  # type: ignore[no-untyped-def]
+    async def go() -> T:
         return await fn(await _client())
 
     return asyncio.run(go())
@@ -310,7 +320,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     import httpx
 
-    from rlpipe.evaluation.heldout import evaluate_served_version
+    from rlpipe.evaluation.heldout import EvalOutcome, evaluate_served_version
     from rlpipe.graders.base import GraderDeps
     from rlpipe.graders.registry import build_rubric_graders
     from rlpipe.inference.client import InferenceClient
@@ -330,7 +340,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ctx = RunContexts(db).get(args.run)
     prompts = args.prompts if args.prompts is not None else ctx.config.eval.prompts
 
-    async def go():  # type: ignore[no-untyped-def]
+    async def go() -> tuple[int, EvalOutcome]:
         async with Sandbox() as sandbox, httpx.AsyncClient(timeout=120) as http, \
                 InferenceClient(urls[args.server], SERVED_MODEL_NAME, route="generate") as client:
             executor = SandboxExecutor(sandbox)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -72,23 +74,24 @@ async def final_status(client: Client, run: str) -> RunStatus:
 
 
 async def pause(client: Client, run: str, reason: str) -> RunStatus:
-    return await _update(client, run, TrainingRunWorkflow.pause, PauseRequest(reason))
+    request = PauseRequest(reason)
+    return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.pause, request))
 
 
 async def resume(client: Client, run: str) -> RunStatus:
-    return await _update(client, run, TrainingRunWorkflow.resume, None)
+    return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.resume))
 
 
 async def set_schedule(client: Client, run: str, update: ScheduleUpdate) -> RunStatus:
-    return await _update(client, run, TrainingRunWorkflow.set_schedule, update)
+    return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.set_schedule, update))
 
 
-async def _update(client: Client, run: str, update, arg):  # type: ignore[no-untyped-def]
+async def _update(client: Client, run: str,
+                  send: Callable[[WorkflowHandle[Any, Any]], Awaitable[RunStatus]]) -> RunStatus:
+    """`send` one update to the run's workflow; a rejected or failed update becomes a RunCommandError."""
     handle = client.get_workflow_handle(workflow_id(run))
     try:
-        if arg is None:
-            return await handle.execute_update(update)
-        return await handle.execute_update(update, arg)
+        return await send(handle)
     except Exception as exc:  # WorkflowUpdateFailedError carries the validator's message
         cause = exc.__cause__ or exc
         raise RunCommandError(f"run '{run}': {getattr(cause, 'message', None) or cause}") from exc
@@ -137,7 +140,8 @@ async def watch(client: Client, run: str, poll_s: float = 1.0) -> WorkflowExecut
     with Live(table, console=console, refresh_per_second=4) as live:
         while True:
             described = await handle.describe()
-            if described.status != WorkflowExecutionStatus.RUNNING:
+            # a status the server leaves unspecified (None) is no close: keep watching
+            if described.status is not None and described.status != WorkflowExecutionStatus.RUNNING:
                 return described.status
             try:
                 status = await handle.query(TrainingRunWorkflow.status)

@@ -5,6 +5,7 @@ The smallest task on which a 135M model can learn both a format and a skill; dif
 """
 
 import random
+from collections.abc import Sequence
 
 from rlpipe.envs.base import Environment, Problem, Rubric
 from rlpipe.schemas.task import ArithmeticDifficulty, EnvConfig
@@ -17,7 +18,7 @@ def draw_operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
     return rng.randint(low, 10**digits - 1)
 
 
-def evaluate_chain(operands: list[int], operators: list[str]) -> int:
+def evaluate_chain(operands: Sequence[int], operators: Sequence[str]) -> int:
     """Value of `o0 op0 o1 op1 ...` with * binding tighter than + and -, left to right otherwise."""
     assert len(operators) == len(operands) - 1
     terms, signs = [operands[0]], [1]
@@ -30,7 +31,7 @@ def evaluate_chain(operands: list[int], operators: list[str]) -> int:
     return sum(sign * term for sign, term in zip(signs, terms))
 
 
-def format_chain(operands: list[int], operators: list[str]) -> str:
+def format_chain(operands: Sequence[int], operators: Sequence[str]) -> str:
     parts = [str(operands[0])]
     for op, x in zip(operators, operands[1:]):
         parts += [op, str(x)]

@@ -76,7 +76,7 @@ async def evaluate(client: InferenceClient, env: Environment, tokenizer: Any, ex
     limit = asyncio.Semaphore(concurrency)
     tasks = [env.task("eval", i) for i in range(min(n_prompts, env.size("eval")))]
 
-    async def one(task) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    async def one(task: Task) -> tuple[float, str]:
         async with limit:
             text, version = await greedy_episode(client, env, task, tokenizer, executor, max_tokens, max_model_len)
             scores = {name: (await grader.grade(task, text)).score for name, grader in graders.items()}

@@ -110,5 +110,5 @@ class CodeTestsGrader(Grader):
             return GradeResult(0.0, {**details, "passed": 0, "error": error})
         # a solution that failed as a whole may have no results at all: nothing passed
         passed = verdict.passed([expected for _, expected in tests]) if verdict.error is None else 0
-        error = verdict.error[:DETAIL_CHARS] if verdict.error else None
-        return GradeResult(passed / len(tests), {**details, "passed": passed, "error": error})
+        solution_error = verdict.error[:DETAIL_CHARS] if verdict.error else None
+        return GradeResult(passed / len(tests), {**details, "passed": passed, "error": solution_error})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -125,7 +125,7 @@ FAILED_ATTEMPTS_PROBLEM = 0.25
 class Finding:
     check: str
     status: Status
-    evidence: dict[str, float | int | str]
+    evidence: Mapping[str, float | int | str]
     """The numbers from Postgres the verdict rests on."""
     verdict: str
     remedy: str = ""

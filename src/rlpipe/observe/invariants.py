@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from rlpipe.observe.queries import RunInfo, group_counts, run_info, version_anomalies
+from rlpipe.observe.queries import RunInfo, TextRow, group_counts, run_info, version_anomalies
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.weights.checkpoints import load_manifest
 
@@ -38,7 +38,7 @@ class Invariant:
     ok: bool
 
 
-def _scalar_rows(s: Session, sql: str, run: str) -> list[sa.Row]:  # type: ignore[type-arg]
+def _scalar_rows(s: Session, sql: str, run: str) -> list[TextRow]:
     return list(s.execute(sa.text(sql), {"run": run}))
 
 

@@ -28,11 +28,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from temporalio.runtime import Runtime
 
 # -- ports ------------------------------------------------------------------------------------------
 METRICS_BASE_PORT = 9100
@@ -388,7 +392,7 @@ def serve_metrics(port: int = 0, addr: str = "0.0.0.0", registry: CollectorRegis
     return int(server.server_port)
 
 
-def temporal_runtime(port: int, addr: str = "0.0.0.0", service: str | None = None):  # type: ignore[no-untyped-def]
+def temporal_runtime(port: int, addr: str = "0.0.0.0", service: str | None = None) -> Runtime:
     """A Temporal `Runtime` whose SDK metrics (task latencies, slots, polls, schedule-to-start)
     are served for Prometheus at addr:port. Build ONE per process, before `Client.connect(...,
     runtime=runtime)`; `service` becomes a `service` label on every SDK metric."""

@@ -58,8 +58,8 @@ def plot_reward(steps: Sequence[StepRow], dist: Sequence[RewardDistribution], pa
         ax.fill_between(x, [d.p25 for d in dist], [d.p75 for d in dist], alpha=0.3, color="tab:blue",
                         label="p25-p75")
         ax.plot(x, [d.p50 for d in dist], color="tab:blue", linestyle="--", linewidth=1, label="median")
-    with_mean = [s for s in steps if s.reward_mean is not None]
-    ax.plot([s.step for s in with_mean], [s.reward_mean for s in with_mean], color="tab:blue", marker="o",
+    means = [(s.step, s.reward_mean) for s in steps if s.reward_mean is not None]
+    ax.plot([step for step, _ in means], [mean for _, mean in means], color="tab:blue", marker="o",
             markersize=3, label="mean")
     ax.set(title="Reward of the trained batch per step", xlabel="optimiser step", ylabel="reward")
     ax.legend(loc="best", fontsize="small")

@@ -12,15 +12,18 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from rlpipe.schemas.config import RunConfig
 
+TextRow: TypeAlias = sa.Row[*tuple[Any, ...]]
+"""A row of a text query: any number of columns, of types known only to the SQL."""
 
-def _rows(s: Session, sql: str, run: str, **params: Any) -> Sequence[sa.Row[Any]]:
+
+def _rows(s: Session, sql: str, run: str, **params: Any) -> Sequence[TextRow]:
     return s.execute(sa.text(sql), {"run": run, **params}).all()
 
 
@@ -535,9 +538,12 @@ class LatencyStats:
     total_s: float
 
 
-def _latency_stats(row: sa.Row[Any]) -> LatencyStats | None:
-    n, q, mx, total = row
-    return LatencyStats(n, *map(float, q), float(mx), float(total)) if n else None
+def _latency_stats(row: Sequence[Any]) -> LatencyStats | None:
+    n, percentiles, longest, total = row
+    if not n:
+        return None
+    p50, p90, p99 = map(float, percentiles)
+    return LatencyStats(n, p50, p90, p99, float(longest), float(total))
 
 
 def tool_latency_stats(s: Session, run_id: str) -> LatencyStats | None:

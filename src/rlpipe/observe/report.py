@@ -16,7 +16,7 @@ import base64
 import html
 import logging
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +164,7 @@ def key_numbers(d: ReportData) -> list[tuple[str, str]]:
 
 
 # -- rendering --------------------------------------------------------------------------------------
-def _md_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _md_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     def cell(x: str) -> str:
         return x.replace("|", "\\|").replace("\n", " ")
 
@@ -201,7 +201,7 @@ table{border-collapse:collapse;margin-bottom:1.5em}td,th{border:1px solid #ccc;p
 img{max-width:100%}.note{color:#777;font-style:italic}"""
 
 
-def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], status_column: int | None = None) -> str:
+def _html_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], status_column: int | None = None) -> str:
     def row_html(row: tuple[str, ...]) -> str:
         cells = [f'<td class="{html.escape(c.lower())}">{html.escape(c)}</td>' if i == status_column
                  else f"<td>{html.escape(c)}</td>" for i, c in enumerate(row)]

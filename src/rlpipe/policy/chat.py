@@ -6,10 +6,12 @@ chat template, and every later turn appends ids (never re-tokenised text).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from rlpipe.envs.base import ChatMessage
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -29,12 +31,11 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 def chat_prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[ChatMessage],
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template, ending with the
     assistant header when `add_generation_prompt` (what a sampler continues from)."""
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))

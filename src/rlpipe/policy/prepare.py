@@ -54,7 +54,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # type: ignore[assignment]
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch stubs: Module.__setattr__ takes any value
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.generation_config.eos_token_id = tokenizer.eos_token_id

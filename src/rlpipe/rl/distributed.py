@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -80,29 +80,31 @@ def cpu_copy(tree: Any) -> Any:
 def average_gradients(model: nn.Module, world_size: int, device: torch.device) -> None:
     """All-reduce (sum) every gradient, then divide by world_size: DDP's averaging after backward.
     A rank that saw no data contributes zeros."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for bucket in _buckets(params):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket]).to(device)   # (sum of numel,)
+    grads: list[Tensor] = []
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket]).to(device)   # (sum of numel,)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat /= world_size
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket]), strict=True):
-            p.grad.copy_(g.view_as(p))
+        for grad, averaged in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            grad.copy_(averaged.view_as(grad))
 
 
-def _buckets(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """Consecutive parameters of one dtype, at most BUCKET_NUMEL elements per bucket (or one parameter)."""
-    buckets: list[list[nn.Parameter]] = []
+def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:
+    """Consecutive gradients of one dtype, at most BUCKET_NUMEL elements per bucket (or one gradient)."""
+    buckets: list[list[Tensor]] = []
     size = 0
-    for p in params:
-        if buckets and buckets[-1][0].dtype == p.dtype and size + p.numel() <= BUCKET_NUMEL:
-            buckets[-1].append(p)
-            size += p.numel()
+    for g in grads:
+        if buckets and buckets[-1][0].dtype == g.dtype and size + g.numel() <= BUCKET_NUMEL:
+            buckets[-1].append(g)
+            size += g.numel()
         else:
-            buckets.append([p])
-            size = p.numel()
+            buckets.append([g])
+            size = g.numel()
     return buckets
 
 
@@ -282,15 +284,15 @@ class DataParallelGroup:
             )
         for rank, shard in enumerate(shards):
             self._inboxes[rank].put(_Command("step", (list(shard), cfg, grad_clip, seed)))
-        return self._collect()
+        return cast(dict[str, float], self._collect())  # the answers come through a queue, untyped
 
     def state_dict(self) -> dict[str, Tensor]:
         """A CPU copy of rank 0's model weights (all replicas hold the same)."""
-        return self._broadcast(_Command("state_dict"))
+        return cast(dict[str, Tensor], self._broadcast(_Command("state_dict")))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """A CPU copy of rank 0's optimizer state (all replicas hold the same)."""
-        return self._broadcast(_Command("optimizer_state_dict"))
+        return cast(dict[str, Any], self._broadcast(_Command("optimizer_state_dict")))
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load the same weights into every replica (the optimizer state is kept)."""

@@ -7,11 +7,15 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlpipe.envs.base import ChatMessage
 from rlpipe.policy.chat import chat_prompt_ids
 
-PROBE_MESSAGES = [{"role": "user", "content": "What is 17 + 25? Answer in <answer></answer>."}]
+PROBE_MESSAGES: list[ChatMessage] = [{"role": "user", "content": "What is 17 + 25? Answer in <answer></answer>."}]
 PROBE_ANSWER = "<answer>42</answer>"
 GREEDY_TOKENS = 16
+
+ProbeRecord = dict[str, list[int] | list[float]]
+"""token_ids and their teacher-forced logprobs; prompt_ids and their greedy_ids continuation."""
 
 
 def probe_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
@@ -41,13 +45,13 @@ def greedy_ids(model: torch.nn.Module, prompt_ids: list[int], tokens: int = GREE
     return ids[len(prompt_ids):]
 
 
-def make_probe(model: torch.nn.Module, prompt_ids: list[int], scored_ids: list[int]) -> dict[str, list]:
+def make_probe(model: torch.nn.Module, prompt_ids: list[int], scored_ids: list[int]) -> ProbeRecord:
     """The probe record of `model` for the ids of `probe_ids`. Takes ids, not the tokenizer, so that
     it can run where the weights live (a data-parallel rank: `functools.partial` of it pickles small)."""
     was_training = model.training
     model.eval()
-    probe = {"token_ids": scored_ids, "logprobs": teacher_forced_logprobs(model, scored_ids),
-             "prompt_ids": prompt_ids, "greedy_ids": greedy_ids(model, prompt_ids)}
+    probe: ProbeRecord = {"token_ids": scored_ids, "logprobs": teacher_forced_logprobs(model, scored_ids),
+                          "prompt_ids": prompt_ids, "greedy_ids": greedy_ids(model, prompt_ids)}
     model.train(was_training)
     return probe
 
