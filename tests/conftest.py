@@ -11,6 +11,7 @@ import random
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,9 +94,14 @@ def temporal_server(session_stack: Stack) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(session_stack: Stack) -> Stack:
-    """Temporal, Postgres and SeaweedFS (inference servers come with `inference_servers`)."""
-    session_stack.up(progress=lambda msg: None)
+def stack(session_stack: Stack, request: pytest.FixtureRequest) -> Stack:
+    """Temporal, Postgres and SeaweedFS (inference servers come with `inference_servers`). When the
+    session's tests need the tiny model too, it is built (in a child process) while they start."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        started = pool.submit(session_stack.up, progress=lambda msg: None)
+        if any("tiny_model" in item.fixturenames for item in request.session.items):
+            request.getfixturevalue("tiny_model")
+        started.result()
     return session_stack
 
 

@@ -2,7 +2,7 @@
 
 Generation and tools are retried with backoff (servers restart, sandboxes are flaky); a grader
 raising `InvalidGrade` is not retried (grading again gives the same answer); trainer and sync
-calls heartbeat so a killed worker is noticed in a minute, not at the start-to-close limit.
+calls heartbeat so a killed worker is noticed within seconds, not at the start-to-close limit.
 """
 
 from __future__ import annotations
@@ -57,8 +57,13 @@ def sync_options(timeout_s: float) -> ActivityOptions:
             "heartbeat_timeout": timedelta(seconds=60), "retry_policy": retry(0, first_s=2, max_s=30)}
 
 
+GENERATE_HEARTBEAT = timedelta(seconds=15)
+"""Three of the generate activity's heartbeats (every 5 s): a killed rollout worker's turns are
+retried elsewhere 15 s later, while groups wait on them."""
+
+
 def generate_options(timeout_s: float, attempts: int) -> ActivityOptions:
-    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=30),
+    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": GENERATE_HEARTBEAT,
             "retry_policy": retry(attempts)}
 
 
