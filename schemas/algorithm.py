@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "batch_whitened"]
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant_normalizer"]
+PolicyLoss = Literal["ppo_clip", "cispo"]
+RatioLevel = Literal["token", "sequence"]
 OffPolicyCorrection = Literal["none", "truncated_is", "decoupled"]
 KLEstimator = Literal["k1", "k2", "k3"]
 MicroBatchSplit = Literal["count", "tokens"]
@@ -37,6 +39,19 @@ class LossConfig(BaseModel):
     """The per-token policy loss and how it is averaged (see rl/losses.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    # --- the policy-gradient term ---------------------------------------------------------------
+    policy_loss: PolicyLoss = "ppo_clip"
+    """ppo_clip: PPO's pessimistic clipped surrogate, max(-A r, -A clip(r)); a token whose clip is
+    active gets no gradient. cispo: -sg(min(r, cispo_cap)) A log pi (CISPO, MiniMax-M1 2025; TRL's
+    loss_type='cispo'): the importance weight is truncated and detached, so every token keeps a gradient."""
+    ratio_level: RatioLevel = "token"
+    """ppo_clip only. token: one ratio per token. sequence: GSPO (Zheng et al. 2025; TRL's
+    importance_sampling_level='sequence'): one ratio per sequence, exp of the mean over its loss tokens
+    of log pi_theta - log pi_anchor, clipped per sequence; GSPO uses far smaller clips (3e-4, 4e-4)."""
+    cispo_cap: float = Field(5.0, gt=0, allow_inf_nan=False)
+    """cispo only: the importance weight pi_theta / pi_anchor is truncated at this value (TRL's
+    epsilon_high for loss_type='cispo')."""
 
     # --- PPO clip -------------------------------------------------------------------------------
     clip_low: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False)
@@ -83,12 +98,24 @@ class LossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _options_match_choices(self) -> "LossConfig":
+        defaults = LossConfig.model_fields
+        if self.policy_loss == "cispo":
+            if self.ratio_level != "token":
+                raise ValueError("loss.ratio_level='sequence' (GSPO) is a ppo_clip objective: with "
+                                 "policy_loss='cispo' the weight is per token; use one or the other")
+            changed = [n for n in ("clip_low", "clip_high") if getattr(self, n) != defaults[n].default]
+            if changed:
+                raise ValueError(f"loss.{'/'.join(changed)} is not read by policy_loss='cispo', which "
+                                 "truncates the weight at cispo_cap instead: remove it or set cispo_cap")
+        elif self.cispo_cap != defaults["cispo_cap"].default:
+            raise ValueError(f"loss.cispo_cap is only read by policy_loss='cispo' (policy_loss is "
+                             f"{self.policy_loss!r}): remove it or set policy_loss='cispo'")
         if self.max_completion_tokens is not None and self.aggregation != "constant_normalizer":
             raise ValueError(
                 f"loss.max_completion_tokens is only read by aggregation='constant_normalizer' "
                 f"(aggregation is {self.aggregation!r}): remove it or change the aggregation"
             )
-        if self.tis_cap != LossConfig.model_fields["tis_cap"].default and self.off_policy != "truncated_is":
+        if self.tis_cap != defaults["tis_cap"].default and self.off_policy != "truncated_is":
             raise ValueError(
                 f"loss.tis_cap is only read by off_policy='truncated_is' (off_policy is "
                 f"{self.off_policy!r}): remove it or set off_policy='truncated_is'"

@@ -44,6 +44,18 @@ async def test_async_run_completes_with_a_consistent_audit_trail(
         assert await client.weight_version() == str(cfg.steps)
 
 
+@pytest.mark.parametrize("objective", [{"ratio_level": "sequence", "clip_low": 3e-3, "clip_high": 4e-3},
+                                       {"policy_loss": "cispo"}], ids=["gspo", "cispo"])
+async def test_gspo_and_cispo_runs_complete_with_verified_syncs(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
+        objective: dict[str, object]) -> None:
+    cfg = tiny_config(tiny_model, steps=2, eval={"prompts": 4}, loss=objective)
+    await run_to_end(temporal_client, cfg)
+    assert_audit_trail(migrated_db, cfg)
+    metrics = [r.metrics for r in rows(migrated_db, "select metrics from train_steps where run_id = :r", r=cfg.name)]
+    assert len(metrics) == cfg.steps and all("clip_seq_frac" in m for m in metrics)
+
+
 async def test_sync_mode_never_overlaps_training_and_rollouts(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
     cfg = tiny_config(tiny_model, mode="sync", max_staleness=0)

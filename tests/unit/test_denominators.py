@@ -41,9 +41,18 @@ TINY = LlamaConfig(
 )
 
 
-def loss_config(aggregation: Aggregation) -> LossConfig:
-    """Every term on: clipped PPO (the sampler logprobs are noisy, so some tokens clip), KL, entropy."""
-    return LossConfig(aggregation=aggregation, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+OBJECTIVES: dict[str, dict[str, object]] = {
+    "ppo_clip": {"clip_high": 0.28},
+    "gspo": {"ratio_level": "sequence", "clip_low": 0.05, "clip_high": 0.05},
+    "cispo": {"policy_loss": "cispo", "cispo_cap": 1.2},
+}
+"""Each policy-gradient objective, with clips and caps that some tokens or sequences of the batch reach."""
+
+
+def loss_config(aggregation: Aggregation, objective: str = "ppo_clip") -> LossConfig:
+    """Every term on: the objective (the sampler logprobs are noisy, so some tokens clip), KL, entropy."""
+    return LossConfig.model_validate({"aggregation": aggregation, "kl_coef": 0.05, "entropy_coef": 0.01,
+                                      **OBJECTIVES[objective]})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -166,11 +175,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+@pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batches_give_the_full_batch_gradient(
-    policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], aggregation: Aggregation
+    policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], aggregation: Aggregation,
+    objective: str,
 ) -> None:
-    loss = loss_config(aggregation)
+    loss = loss_config(aggregation, objective)
     (whole,) = plan(samples, loss, BatchConfig())
     assert len(whole) == 1
     full = gradient(policy, whole, loss, reference)
@@ -183,6 +194,18 @@ def test_micro_batches_give_the_full_batch_gradient(
     (packed,) = plan(samples, loss, BatchConfig(split="tokens", micro_batch_tokens=40))
     assert len(packed) > 2
     assert relative_error(gradient(policy, packed, loss, reference), full) < 1e-6
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_each_objectives_clip_acts_on_part_of_the_batch(
+    policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], objective: str
+) -> None:
+    """So that the split tests above cover both branches of every clip or cap."""
+    loss = loss_config("token_mean", objective)
+    (whole,) = plan(samples, loss, BatchConfig())
+    metrics = train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), whole, loss, grad_clip=None,
+                         ref_model=reference)
+    assert 0.0 < metrics["clip_frac"] < 1.0 and 0.0 < metrics["clip_seq_frac"] < 1.0, metrics
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +232,7 @@ def data_parallel_gradient(
     return torch.cat([(before[name] - after[name]).reshape(-1) for name, _ in policy.named_parameters()])
 
 
+@pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_two_ranks_give_the_full_batch_gradient(
     two_ranks: DataParallelGroup,
@@ -216,8 +240,9 @@ def test_two_ranks_give_the_full_batch_gradient(
     reference: LlamaForCausalLM,
     samples: list[Sample],
     aggregation: Aggregation,
+    objective: str,
 ) -> None:
-    loss = loss_config(aggregation)
+    loss = loss_config(aggregation, objective)
     (whole,) = plan(samples, loss, BatchConfig())
     full = gradient(policy, whole, loss, reference)
     for n in (1, 2, 4):

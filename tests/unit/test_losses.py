@@ -168,6 +168,47 @@ def test_compute_loss_kl_penalty_and_entropy_bonus() -> None:
         compute_loss(one_sequence(logprobs, logprobs.detach(), 0.0, [1, 1]), cfg, TWO_TOKENS)
 
 
+def test_compute_loss_gspo_clips_whole_sequences() -> None:
+    # token ratios vs sampler [1.5, 1.0, -] (third slot a tool token): s = exp((ln 1.5 + ln 1) / 2) = sqrt(1.5)
+    logprobs = logs(0.6, 0.4, 0.3).requires_grad_()
+    sampler = logs(0.4, 0.4, 0.0)
+    s = math.sqrt(1.5)
+    gspo = LossConfig(ratio_level="sequence")
+    # A = +1: s = 1.22 > 1.2, so the whole sequence is clipped: loss -1.2 on each token, no gradient
+    out = compute_loss(one_sequence(logprobs, sampler, 1.0, [1, 1, 0]), gspo, TWO_TOKENS)
+    assert out.loss.item() == pytest.approx(-1.2, rel=1e-12)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, 0.0, 0.0], abs=1e-15)
+    assert (out.sums["clip_frac"].item(), out.sums["clipped_sequences"].item()) == (2.0, 1.0)
+    # A = -1: max(s, 1.2) = s, not clipped; token mean of [s, s] = s. d s / d logprob_t = s / 2 for
+    # each of the 2 loss tokens, and the token mean of two equal terms gives d loss / d logprob_t = s / 2
+    logprobs.grad = None
+    out = compute_loss(one_sequence(logprobs, sampler, -1.0, [1, 1, 0]), gspo, TWO_TOKENS)
+    assert out.loss.item() == pytest.approx(s, rel=1e-12)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([s / 2, s / 2, 0.0], rel=1e-12, abs=1e-15)
+    assert out.sums["clipped_sequences"].item() == 0.0
+    # a token-level clip would have clipped token 1 only, and differs
+    token_level = compute_loss(one_sequence(logprobs, sampler, 1.0, [1, 1, 0]), LossConfig(), TWO_TOKENS)
+    assert token_level.loss.item() == pytest.approx((-1.2 - 1.0) / 2, rel=1e-12)
+
+
+def test_compute_loss_cispo_keeps_every_tokens_gradient() -> None:
+    # ratios vs sampler [10 (capped at 5), 0.5]; A = 1: loss per token -min(r, 5) * log pi,
+    # gradient -min(r, 5) * A even where the weight is capped (a PPO clip would give 0 there)
+    logprobs = logs(0.5, 0.1).requires_grad_()
+    sampler = logs(0.05, 0.2)
+    out = compute_loss(one_sequence(logprobs, sampler, 1.0, [1, 1]), LossConfig(policy_loss="cispo"), TWO_TOKENS)
+    assert out.loss.item() == pytest.approx((-5 * math.log(0.5) - 0.5 * math.log(0.1)) / 2, rel=1e-12)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([-5 / 2, -0.5 / 2], rel=1e-12)
+    assert (out.sums["clip_frac"].item(), out.sums["clipped_sequences"].item()) == (1.0, 1.0)
+    assert out.maxes["is_weight"].item() == pytest.approx(10.0)   # the raw weight is still reported
+    capped_lower = LossConfig(policy_loss="cispo", cispo_cap=2.0)
+    out = compute_loss(one_sequence(logprobs.detach(), sampler, 1.0, [1, 1]), capped_lower, TWO_TOKENS)
+    assert out.loss.item() == pytest.approx((-2 * math.log(0.5) - 0.5 * math.log(0.1)) / 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("rows", [0, 2])
 @pytest.mark.parametrize("aggregation", get_args(Aggregation))
 def test_empty_micro_batch_gives_zero_loss_tied_to_the_graph(rows: int, aggregation: str) -> None:
@@ -194,6 +235,10 @@ def test_empty_micro_batch_gives_zero_loss_tied_to_the_graph(rows: int, aggregat
         ({"decoupled_weight_cap": 5.0}, "off_policy='decoupled'"),
         ({"aggregation": "bnpo"}, "aggregation"),
         ({"clip_low": 1.5}, "clip_low"),
+        ({"cispo_cap": 4.0}, "policy_loss='cispo'"),
+        ({"policy_loss": "cispo", "ratio_level": "sequence"}, "GSPO"),
+        ({"policy_loss": "cispo", "clip_high": 0.28}, "clip_high is not read by policy_loss='cispo'"),
+        ({"policy_loss": "gspo"}, "policy_loss"),
     ],
 )
 def test_loss_config_rejects_options_that_would_be_ignored_or_invalid(fields: dict, message: str) -> None:

@@ -23,8 +23,10 @@ from torch import Tensor
 from rlpipe.rl.batch import GlobalStats
 from rlpipe.schemas.algorithm import Aggregation, KLEstimator, LossConfig
 
-SUM_METRICS = ("loss", "clip_frac", "is_weight", "is_capped_frac", "kl_sampler", "mismatch", "entropy", "kl_ref")
-"""Keys of `LossOutput.sums`: totals over loss tokens (the loss itself is already a share)."""
+SUM_METRICS = ("loss", "clip_frac", "clipped_sequences", "is_weight", "is_capped_frac", "kl_sampler", "mismatch",
+               "entropy", "kl_ref")
+"""Keys of `LossOutput.sums`: totals over loss tokens (the loss itself is already a share), except
+`clipped_sequences`, a count of sequences with a clipped (or, for CISPO, capped) loss token."""
 EXTREME_METRICS = ("is_weight",)
 """Keys of `LossOutput.maxes` and `LossOutput.mins`."""
 
@@ -65,6 +67,53 @@ def ppo_clip_loss(
     unclipped = -advantages * ratio                                          # (N, L)
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)    # (N, L)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def sequence_log_ratio(logprobs: Tensor, anchor_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """GSPO's per-sequence log importance ratio: the mean over a sequence's loss tokens of
+    log pi_theta - log pi_anchor: (N, L) x 3 -> (N, 1). A sequence without loss tokens gets 0
+    (ratio 1). Sequences are never split across micro-batches, so the mean is exact."""
+    log_ratio = torch.where(loss_mask > 0, logprobs - anchor_logprobs, 0.0)      # (N, L)
+    return (log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1)).unsqueeze(-1)   # (N, 1)
+
+
+def gspo_loss(
+    logprobs: Tensor, anchor_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """GSPO: PPO's clipped surrogate on one ratio per sequence, s = exp(sequence_log_ratio).
+
+    logprobs, anchor_logprobs, loss_mask: (N, L); advantages (N, 1). Returns loss (N, L), every token of a
+    sequence carrying its sequence's term max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)) (so a
+    token-sum aggregation weights a sequence by its length, as TRL does), and clipped (N, L) bool.
+    The gradient reaches every token through the mean of its sequence's log-ratio.
+    """
+    log_ratio = sequence_log_ratio(logprobs, anchor_logprobs, loss_mask)      # (N, 1)
+    loss, clipped = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_low, clip_high)
+    return loss.expand_as(logprobs), clipped.expand_as(logprobs)
+
+
+def cispo_loss(logprobs: Tensor, anchor_logprobs: Tensor, advantages: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """CISPO: -sg(min(r, cap)) * A * log pi_theta per token, r = pi_theta / pi_anchor.
+
+    logprobs, anchor_logprobs: (N, L); advantages broadcastable to (N, L). Unlike the PPO clip, no
+    token loses its gradient: the truncated weight only scales it (d loss / d logprob = -min(r, cap) A).
+    Returns loss (N, L) and capped (N, L) bool, where the weight was truncated.
+    """
+    ratio = (logprobs - anchor_logprobs).exp().detach()                      # (N, L)
+    return -ratio.clamp(max=cap) * advantages * logprobs, ratio > cap
+
+
+def policy_gradient_term(
+    logprobs: Tensor, anchor_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """The per-token policy-gradient loss (N, L) of `cfg.policy_loss` / `cfg.ratio_level`, and where its
+    clip or cap acted (N, L)."""
+    if cfg.policy_loss == "cispo":
+        return cispo_loss(logprobs, anchor_logprobs, advantages, cfg.cispo_cap)
+    if cfg.ratio_level == "sequence":
+        return gspo_loss(logprobs, anchor_logprobs, advantages, loss_mask, cfg.clip_low, cfg.clip_high)
+    return ppo_clip_loss(logprobs, anchor_logprobs, advantages, cfg.clip_low, cfg.clip_high)
 
 
 def truncated_is_weights(proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
@@ -140,7 +189,7 @@ def off_policy_terms(
 
 
 def compute_loss(x: LossInputs, cfg: LossConfig, stats: GlobalStats) -> LossOutput:
-    """The policy loss of one micro-batch (PPO clip, off-policy correction, KL, entropy), aggregated
+    """The policy loss of one micro-batch (PPO clip, GSPO or CISPO, off-policy correction, KL, entropy), aggregated
     by `cfg.aggregation` with the step's global denominators, and its metric totals."""
     mask = x.loss_mask > 0                                                   # (N, L) bool
     current = x.logprobs.detach()                                            # (N, L)
@@ -152,7 +201,7 @@ def compute_loss(x: LossInputs, cfg: LossConfig, stats: GlobalStats) -> LossOutp
     anchor, weight, capped = off_policy_terms(proximal, sampler, cfg)
     # 2) the clipped surrogate, weighted, plus the regularisers
     adv = x.advantages[:, None].to(current.dtype)                            # (N, 1)
-    pg, clipped = ppo_clip_loss(x.logprobs, anchor, adv, cfg.clip_low, cfg.clip_high)
+    pg, clipped = policy_gradient_term(x.logprobs, anchor, adv, x.loss_mask, cfg)
     per_token = weight * pg                                                  # (N, L)
     kl_ref = torch.zeros_like(current)
     if cfg.kl_coef > 0:
@@ -173,6 +222,7 @@ def compute_loss(x: LossInputs, cfg: LossConfig, stats: GlobalStats) -> LossOutp
     sums = {
         "loss": loss.detach(),
         "clip_frac": total(clipped & mask),
+        "clipped_sequences": ((clipped & mask).any(-1)).sum().to(current.dtype),
         "is_weight": total(raw_weight),
         "is_capped_frac": total(capped & mask),
         "kl_sampler": total(kl_estimate(sampler, current, "k3")),            # KL(mu || pi_theta)

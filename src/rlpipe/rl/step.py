@@ -87,7 +87,8 @@ class MetricTotals:
             "kl_sampler": s["kl_sampler"] / tokens,         # KL(sampler || trainer), k3 per token
             "kl_ref": s["kl_ref"] / tokens,                 # 0 without a reference model
             "mismatch": s["mismatch"] / tokens,             # mean |log pi_trainer - log pi_sampler|
-            "clip_frac": s["clip_frac"] / tokens,
+            "clip_frac": s["clip_frac"] / tokens,           # tokens whose clip (CISPO: cap) acted
+            "clip_seq_frac": s["clipped_sequences"] / sequences,  # GSPO clips whole sequences
             "is_weight_mean": s["is_weight"] / tokens,      # pi_trainer / pi_sampler per token
             "is_weight_max": extreme(self.maxes, "is_weight"),
             "is_weight_min": extreme(self.mins, "is_weight"),
