@@ -85,6 +85,10 @@ class LossConfig(BaseModel):
     # --- regularisers ---------------------------------------------------------------------------
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight of the KL penalty to the reference model; 0 means no reference model is loaded."""
+    kl_is_correction: bool = False
+    """Multiply each token's KL estimate by its importance ratio pi_theta / pi_anchor: the tokens were
+    sampled by the anchor policy, not by pi_theta, so the plain estimate of KL(pi_theta || ref) is biased
+    (DeepSeek-V3.2; TRL's use_bias_correction_kl). Needs kl_coef > 0."""
     kl_estimator: KLEstimator = "k3"
     """Per-token estimator of KL(policy || reference) (Schulman's notation): k1 = log p/q; k2 =
     (log p/q)^2 / 2; k3 = q/p - 1 - log q/p, unbiased and never negative (GRPO's choice)."""
@@ -115,6 +119,9 @@ class LossConfig(BaseModel):
                 f"loss.max_completion_tokens is only read by aggregation='constant_normalizer' "
                 f"(aggregation is {self.aggregation!r}): remove it or change the aggregation"
             )
+        if self.kl_is_correction and self.kl_coef == 0:
+            raise ValueError("loss.kl_is_correction corrects the KL penalty, which kl_coef=0 turns off: "
+                             "set kl_coef > 0 or remove kl_is_correction")
         if self.tis_cap != defaults["tis_cap"].default and self.off_policy != "truncated_is":
             raise ValueError(
                 f"loss.tis_cap is only read by off_policy='truncated_is' (off_policy is "

@@ -45,8 +45,10 @@ OBJECTIVES: dict[str, dict[str, object]] = {
     "ppo_clip": {"clip_high": 0.28},
     "gspo": {"ratio_level": "sequence", "clip_low": 0.05, "clip_high": 0.05},
     "cispo": {"policy_loss": "cispo", "cispo_cap": 1.2},
+    "ppo_clip_kl_is": {"clip_high": 0.28, "kl_is_correction": True},
 }
-"""Each policy-gradient objective, with clips and caps that some tokens or sequences of the batch reach."""
+"""Each policy-gradient objective, with clips and caps that some tokens or sequences of the batch reach
+(and the KL penalty reweighted by the importance ratio)."""
 
 
 def loss_config(aggregation: Aggregation, objective: str = "ppo_clip") -> LossConfig:

@@ -209,6 +209,26 @@ def test_compute_loss_cispo_keeps_every_tokens_gradient() -> None:
     assert out.loss.item() == pytest.approx((-2 * math.log(0.5) - 0.5 * math.log(0.1)) / 2, rel=1e-12)
 
 
+def test_kl_is_correction_reweights_the_penalty_by_the_ratio() -> None:
+    # A = 0: only the KL term. pi = .5, ref = .25 -> k3 = .5 - 1 + ln 2 per token, kl_coef .1.
+    k3, coef = 0.5 - 1 + math.log(2), 0.1
+    cfg = LossConfig(kl_coef=coef, kl_is_correction=True)
+    # off policy: sampler .25 -> ratio 2 on both tokens: the penalty doubles
+    logprobs = logs(0.5, 0.5).requires_grad_()
+    out = compute_loss(one_sequence(logprobs, logs(0.25, 0.25), 0.0, [1, 1], ref_logprobs=logs(0.25, 0.25)), cfg,
+                       TWO_TOKENS)
+    assert out.loss.item() == pytest.approx(coef * 2 * k3, rel=1e-12)
+    assert out.sums["kl_ref"].item() == pytest.approx(2 * 2 * k3)
+    # on policy: ratio 1, the value is unchanged, but the ratio's gradient adds k3:
+    # d (k3 r) / d log pi = (1 - ref / pi) r + k3 r = .5 + k3 per token, over 2 tokens
+    logprobs = logs(0.5, 0.5).requires_grad_()
+    x = one_sequence(logprobs, logprobs.detach(), 0.0, [1, 1], ref_logprobs=logs(0.25, 0.25))
+    out = compute_loss(x, cfg, TWO_TOKENS)
+    assert out.loss.item() == pytest.approx(coef * k3, rel=1e-12)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([coef * (0.5 + k3) / 2] * 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("rows", [0, 2])
 @pytest.mark.parametrize("aggregation", get_args(Aggregation))
 def test_empty_micro_batch_gives_zero_loss_tied_to_the_graph(rows: int, aggregation: str) -> None:
@@ -239,6 +259,7 @@ def test_empty_micro_batch_gives_zero_loss_tied_to_the_graph(rows: int, aggregat
         ({"policy_loss": "cispo", "ratio_level": "sequence"}, "GSPO"),
         ({"policy_loss": "cispo", "clip_high": 0.28}, "clip_high is not read by policy_loss='cispo'"),
         ({"policy_loss": "gspo"}, "policy_loss"),
+        ({"kl_is_correction": True}, "kl_coef=0"),
     ],
 )
 def test_loss_config_rejects_options_that_would_be_ignored_or_invalid(fields: dict, message: str) -> None:

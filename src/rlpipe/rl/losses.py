@@ -209,6 +209,8 @@ def compute_loss(x: LossInputs, cfg: LossConfig, stats: GlobalStats) -> LossOutp
             raise ValueError("kl_coef > 0 needs ref_logprobs: pass a reference model or set kl_coef=0")
         ref = torch.where(mask, x.ref_logprobs, current)
         kl_ref = kl_estimate(x.logprobs, ref, cfg.kl_estimator)              # (N, L) KL(pi_theta || ref)
+        if cfg.kl_is_correction:  # the tokens came from the anchor policy: reweight them to pi_theta
+            kl_ref = kl_ref * (x.logprobs - anchor).exp()
         per_token = per_token + cfg.kl_coef * kl_ref
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * x.entropy                 # a bonus: lower loss, more entropy
