@@ -11,7 +11,7 @@ from rlpipe.activities.definitions import FINISH_GROUP, GENERATE, START_GROUP
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.observe.metrics import METRICS
-from rlpipe.rl.advantages import compute_advantages
+from rlpipe.rl.advantages import compute_advantages, shaped_rewards
 from rlpipe.rollout.assemble import assemble
 from rlpipe.rollout.context import RunContexts
 from rlpipe.rollout.generation import plan_turn, sample_turn, turn_row
@@ -99,16 +99,18 @@ class RolloutActivities:
     @instrumented("persist", "persist")
     async def finish_group(self, inp: FinishGroupInput) -> GroupSummary:
         ctx = self.contexts.get(inp.run_id)
-        advantages = _group_advantages(inp.rewards, ctx.config)
 
         def write() -> GroupSummary:
             with self.db.begin() as s:
-                samples = []
-                for trajectory_id, reward, advantage in zip(inp.trajectory_ids, inp.rewards, advantages, strict=True):
-                    turns = buffer.trajectory_context(s, trajectory_id).turns
-                    samples.append(buffer.FinishedSample(
-                        trajectory_id, reward, advantage, assemble([buffer.turn_tokens(t) for t in turns]),
-                        turns[-1].finish_reason, len(turns)))
+                turns = [buffer.trajectory_context(s, trajectory_id).turns for trajectory_id in inp.trajectory_ids]
+                trajectories = [assemble([buffer.turn_tokens(t) for t in ts]) for ts in turns]
+                rewards = shaped_rewards(inp.rewards, [sum(t.loss_mask) for t in trajectories],
+                                         ctx.config.advantage.overlong)
+                advantages = _group_advantages(rewards, ctx.config)
+                samples = [buffer.FinishedSample(trajectory_id, reward, advantage, trajectory, ts[-1].finish_reason,
+                                                 len(ts))
+                           for trajectory_id, reward, advantage, trajectory, ts
+                           in zip(inp.trajectory_ids, rewards, advantages, trajectories, turns, strict=True)]
                 group = buffer.finish_group(s, run_id=inp.run_id, group_index=inp.group_index, samples=samples,
                                             discarded_ids=inp.discarded_ids, status=inp.status, reason=inp.reason)
                 return GroupSummary(group.group_index, group.status, group.min_version, group.n_completed,

@@ -74,7 +74,7 @@ def compare(db, run_ids: list[str], model_dir: Path, repeats: int = 5) -> dict[s
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
 
     def engine_step(samples) -> None:  # type: ignore[no-untyped-def]
-        engine.step(plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch, pad_token_id=pad), 0)
+        engine.step([plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch, pad_token_id=pad)], 0)
 
     def plain_step(samples) -> None:  # type: ignore[no-untyped-def]
         bare_step(model, opt, collate(samples, global_stats(samples, world_size=1), pad_token_id=pad))

@@ -19,6 +19,26 @@ KLEstimator = Literal["k1", "k2", "k3"]
 MicroBatchSplit = Literal["count", "tokens"]
 
 
+class OverlongConfig(BaseModel):
+    """DAPO's soft overlong punishment (Yu et al. 2025): a trajectory whose model tokens run into the
+    last `window` tokens of `max_tokens` loses reward linearly, `penalty` at `max_tokens` and beyond."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    max_tokens: int = Field(ge=1)
+    """The length budget of a trajectory's model tokens (DAPO's L_max): usually sampling.max_tokens."""
+    window: int = Field(ge=1)
+    """The punished stretch before max_tokens (DAPO's L_cache): no penalty up to max_tokens - window."""
+    penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """The reward lost at max_tokens (and beyond)."""
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> "OverlongConfig":
+        if self.window > self.max_tokens:
+            raise ValueError(f"advantage.overlong.window ({self.window}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+
 class AdvantageConfig(BaseModel):
     """How a trajectory's scalar reward becomes its advantage (see rl/advantages.py)."""
 
@@ -33,6 +53,9 @@ class AdvantageConfig(BaseModel):
     std_eps: float = Field(1e-6, gt=0, allow_inf_nan=False)
     """Added to the std before dividing (grpo, batch_whitened) so a near-constant group cannot blow
     up; exactly constant groups are zeroed before this matters."""
+    overlong: OverlongConfig | None = None
+    """Shape each trajectory's reward by its length before the advantages (None: no shaping). The
+    trajectory's stored reward is the shaped one; the grader's own score stays in `grades`."""
 
 
 class LossConfig(BaseModel):
@@ -94,6 +117,11 @@ class LossConfig(BaseModel):
     (log p/q)^2 / 2; k3 = q/p - 1 - log q/p, unbiased and never negative (GRPO's choice)."""
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight of the entropy bonus (subtracted from the loss); 0 turns it off."""
+
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: a completion cut off at the token limit (finish_reason 'length')
+    gets no loss tokens, since its reward judged an unfinished answer; its group's advantages still
+    count it."""
 
     # --- sampling consistency -------------------------------------------------------------------
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
@@ -174,6 +202,14 @@ class BatchConfig(BaseModel):
     sequences are packed into micro-batches of at most `micro_batch_tokens` padded tokens."""
     micro_batches: int = Field(1, ge=1)
     """split='count' only: micro-batches per rank (gradient-accumulation steps)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimiser steps per pass over a train step's batch: the batch (advantages already computed
+    over all of it) is cut into this many mini-batches of whole groups, each a global batch with its
+    own denominators, which ranks and micro-batches then split as usual."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the step's batch (PPO epochs). With more than one optimiser step per batch, the
+    trainer's log-probabilities before the first of them are recorded once and serve every update as
+    the proximal policy (off_policy='truncated_is' / 'decoupled')."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """split='tokens' only: budget of padded tokens (rows x longest row) per micro-batch; a sequence
     longer than the budget gets a micro-batch of its own."""

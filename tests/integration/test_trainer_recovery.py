@@ -6,7 +6,9 @@ steps and at the last. The recovered runs must end with the same weights and opt
 published to the store, within 1e-6 (max abs), while one step's update is far larger than that:
 - thrown away: the Trainer is discarded after step 1 (before any trained checkpoint: restore
   version 0, replay step 1) and after step 3 (between the checkpoints of steps 2 and 4: restore
-  version 1, replay step 3); each successor starts with an empty work directory;
+  version 1, replay step 3); each successor starts with an empty work directory; on one rank and
+  two, with one optimiser step per train step and with four (2 epochs x 2 mini-batches, decoupled
+  PPO anchored at the proximal policy recorded before the first);
 - SIGKILLed: a child process (with its data-parallel ranks) is killed inside step 4, after it
   claimed and trained but before it published or committed; a new process restores version 1,
   replays step 3 and redoes step 4 on the batch step 4 had already claimed.
@@ -55,16 +57,18 @@ Weights = dict[str, torch.Tensor]
 
 
 # -- a run and its buffer -----------------------------------------------------------------------
-def new_run(db: Database, tiny_model: Path, world_size: int) -> RunConfig:
+def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bool = False) -> RunConfig:
     """A registered run whose steps move the weights far more than TOLERANCE (lr 1e-3), with the
-    reference model (KL) and micro-batches on."""
+    reference model (KL) and micro-batches on; `several_updates`: 2 epochs over 2 mini-batches, four
+    optimiser steps per train step, anchored at the proximal policy recorded before the first."""
+    updates = {"mini_batches": 2, "epochs": 2} if several_updates else {}
     cfg = RunConfig.model_validate({
         "name": f"recovery-{world_size}-{uuid.uuid4().hex[:8]}", "steps": STEPS,
         "model": {"path": str(tiny_model)},
         "rollout": {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP},
-        "batch": {"world_size": world_size, "micro_batches": 2},
+        "batch": {"world_size": world_size, "micro_batches": 2, **updates},
         "sync": {"interval": SYNC_INTERVAL},
-        "loss": {"kl_coef": 0.05},
+        "loss": {"kl_coef": 0.05, **({"off_policy": "decoupled"} if several_updates else {})},
         "optim": {"lr": 1e-3},
     })
     with db.begin() as s:
@@ -126,8 +130,8 @@ class FinalState:
     weights_before: Weights          # published one checkpoint earlier (step STEPS - 1)
 
 
-Uninterrupted = Callable[[int], tuple[RunConfig, FinalState]]
-"""world_size -> the uninterrupted run of that world size and its final state."""
+Uninterrupted = Callable[[int, bool], tuple[RunConfig, FinalState]]
+"""(world_size, several_updates) -> the uninterrupted run of that layout and its final state."""
 
 
 def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path) -> FinalState:
@@ -184,30 +188,31 @@ def assert_replayed(metrics: dict, version: int, steps: int) -> None:
 def uninterrupted(migrated_db: Database, object_store: ObjectStore, tiny_model: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Uninterrupted:
     """The uninterrupted run for a world size (run once, shared by the tests of that world size)."""
-    done: dict[int, tuple[RunConfig, FinalState]] = {}
+    done: dict[tuple[int, bool], tuple[RunConfig, FinalState]] = {}
 
-    def run(world_size: int) -> tuple[RunConfig, FinalState]:
-        if world_size not in done:
-            cfg = new_run(migrated_db, tiny_model, world_size)
+    def run(world_size: int, several_updates: bool = False) -> tuple[RunConfig, FinalState]:
+        if (world_size, several_updates) not in done:
+            cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{world_size}")
             trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp / "work")
             try:
                 run_steps(trainer, cfg, range(1, STEPS + 1))
             finally:
                 trainer.close()
-            done[world_size] = cfg, final_state(migrated_db, object_store, cfg.name, tmp)
-        return done[world_size]
+            done[world_size, several_updates] = cfg, final_state(migrated_db, object_store, cfg.name, tmp)
+        return done[world_size, several_updates]
 
     return run
 
 
 # -- the tests ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("world_size", "several_updates"), [(1, False), (2, False), (1, True), (2, True)],
+                         ids=["1-rank", "2-ranks", "1-rank-epochs", "2-ranks-epochs"])
 def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
-        world_size: int, uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore,
-        tiny_model: Path, tmp_path: Path) -> None:
-    baseline, want = uninterrupted(world_size)
-    cfg = new_run(migrated_db, tiny_model, world_size)
+        world_size: int, several_updates: bool, uninterrupted: Uninterrupted, migrated_db: Database,
+        object_store: ObjectStore, tiny_model: Path, tmp_path: Path) -> None:
+    baseline, want = uninterrupted(world_size, several_updates)
+    cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
     for steps in (range(1, 2), range(2, 4), range(4, STEPS + 1)):   # thrown away after steps 1 and 3
         trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}")
         try:
@@ -238,7 +243,7 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
         tmp_path: Path, child_env: dict[str, str]) -> None:
     """One process (world_size 1): data-parallel recovery is the test above; this one is about a
     real crash in the middle of a step, with its claim made and nothing committed."""
-    _, want = uninterrupted(1)
+    _, want = uninterrupted(1, False)
     cfg = new_run(migrated_db, tiny_model, 1)
     with trainer_process(cfg, range(1, STEPS + 1), tmp_path / "first", child_env, pause_in=4) as first:
         assert _read_until(first, "paused"), "the child never reached step 4"

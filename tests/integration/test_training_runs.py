@@ -18,6 +18,8 @@ from rlpipe.cli.run_commands import start_run
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.infra.temporal import temporal_binary
+from rlpipe.rl.advantages import overlong_penalty
+from rlpipe.schemas.algorithm import OverlongConfig
 from rlpipe.schemas.payloads import WORKFLOW_QUEUE
 from rlpipe.storage.db import Database
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
@@ -54,6 +56,35 @@ async def test_gspo_and_cispo_runs_complete_with_verified_syncs(
     assert_audit_trail(migrated_db, cfg)
     metrics = [r.metrics for r in rows(migrated_db, "select metrics from train_steps where run_id = :r", r=cfg.name)]
     assert len(metrics) == cfg.steps and all("clip_seq_frac" in m for m in metrics)
+
+
+async def test_overlong_shaping_and_truncation_masking_reach_the_buffer_and_the_loss(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+    # the tiny model's answers are 5-8 tokens: a budget of 12 with a window of 8 punishes most of them a
+    # little, and a 6-token sampling limit cuts some off
+    overlong = OverlongConfig(max_tokens=12, window=8, penalty=0.5)
+    cfg = tiny_config(tiny_model, steps=2, eval={"prompts": 4}, sampling={"max_tokens": 6},
+                      advantage={"overlong": overlong.model_dump()}, loss={"mask_truncated": True})
+    await run_to_end(temporal_client, cfg)
+    assert_audit_trail(migrated_db, cfg)
+    kept = rows(migrated_db, "select t.reward, t.loss_mask, t.finish_reason, g.score from trajectories t "
+                             "join grades g on g.trajectory_id = t.id where t.run_id = :r and t.reward is not null",
+                r=cfg.name)
+    assert kept
+    for t in kept:  # the stored reward is the grader's score plus the length penalty
+        assert t.reward == pytest.approx(t.score + overlong_penalty(sum(t.loss_mask), overlong))
+    assert any(t.reward != t.score for t in kept), "no trajectory reached the punished window"
+    steps = rows(migrated_db, "select step, metrics from train_steps where run_id = :r order by step", r=cfg.name)
+    trained = {r.step: rows(migrated_db, "select t.loss_mask, t.finish_reason from trajectories t join rollout_groups "
+                                         "g on g.id = t.group_id where g.run_id = :r and g.claimed_step = :s and "
+                                         "t.status = 'completed'", r=cfg.name, s=r.step)
+               for r in steps}
+    assert any(t.finish_reason == "length" for batch in trained.values() for t in batch), "nothing was truncated"
+    for step in steps:  # truncated completions add no loss tokens
+        batch = trained[step.step]
+        assert step.metrics["num_loss_tokens"] == sum(sum(t.loss_mask) for t in batch if t.finish_reason != "length")
+        assert step.metrics["truncated_frac"] == pytest.approx(
+            sum(t.finish_reason == "length" for t in batch) / len(batch))
 
 
 async def test_sync_mode_never_overlaps_training_and_rollouts(

@@ -14,11 +14,13 @@ from rlpipe.rl.advantages import (
     dr_grpo_advantages,
     group_indices,
     grpo_advantages,
+    overlong_penalty,
     rloo_advantages,
+    shaped_rewards,
 )
 from rlpipe.rl.batch import Sample
 from rlpipe.rl.batching import assign_advantages, plan_step, shard_by_rank
-from rlpipe.schemas.algorithm import AdvantageConfig, AdvantageKind, BatchConfig, LossConfig
+from rlpipe.schemas.algorithm import AdvantageConfig, AdvantageKind, BatchConfig, LossConfig, OverlongConfig
 
 EPS = 1e-6
 
@@ -145,3 +147,22 @@ def test_batch_whitened_is_computed_on_the_global_batch_before_the_split() -> No
         assert mb.advantages.tolist() == [s.advantage for s in shard]
         local = compute_advantages([s.reward for s in shard], [s.group_id for s in shard], cfg)
         assert not torch.allclose(local, mb.advantages)
+
+
+# --- DAPO's overlong shaping -------------------------------------------------------------------------
+@pytest.mark.parametrize(("num_tokens", "penalty"), [(10, 0.0), (15, 0.0), (16, -0.2), (18, -0.6), (20, -1.0),
+                                                     (31, -1.0)])
+def test_overlong_penalty_falls_linearly_over_the_window(num_tokens: int, penalty: float) -> None:
+    # max_tokens 20, window 5: free up to 15 tokens, then -1/5 per token, -1 from 20 on
+    assert overlong_penalty(num_tokens, OverlongConfig(max_tokens=20, window=5)) == pytest.approx(penalty)
+
+
+def test_shaped_rewards_add_the_penalty_before_the_advantages() -> None:
+    cfg = OverlongConfig(max_tokens=20, window=5, penalty=0.5)
+    assert shaped_rewards([1.0, 1.0, 0.0], [12, 18, 25], cfg) == pytest.approx([1.0, 0.7, -0.5])
+    assert shaped_rewards([1.0, 0.0], [99, 99], None) == [1.0, 0.0]
+    # two right answers of different lengths no longer tie: the long one gets the lower advantage
+    adv = compute_advantages(shaped_rewards([1.0, 1.0, 0.0, 0.0], [12, 18, 12, 12], cfg), [0] * 4, AdvantageConfig())
+    assert adv[0] > adv[1] > 0 > adv[2] == adv[3]
+    with pytest.raises(ValueError, match="window"):
+        OverlongConfig(max_tokens=4, window=5)

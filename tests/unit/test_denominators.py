@@ -7,6 +7,7 @@ denominators (the wrong protocol) must not. The batch has unequal lengths, maske
 a partial group, a group with constant rewards and a sequence that is all tool tokens.
 """
 
+import copy
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -24,12 +25,19 @@ from rlpipe.rl.batching import (
     pack_by_tokens,
     per_micro_batch_stats,
     plan_step,
+    plan_updates,
     shard_by_rank,
     split_by_count,
 )
 from rlpipe.rl.distributed import DataParallelGroup
 from rlpipe.rl.losses import aggregate
-from rlpipe.rl.step import accumulate_gradients, completion_logprobs, train_step
+from rlpipe.rl.step import (
+    accumulate_gradients,
+    completion_logprobs,
+    train_step,
+    train_updates,
+    with_proximal_logprobs,
+)
 from rlpipe.schemas.algorithm import AdvantageConfig, Aggregation, BatchConfig, LossConfig
 
 AGGREGATIONS: tuple[Aggregation, ...] = get_args(Aggregation)
@@ -303,3 +311,71 @@ def test_plan_counts_once_and_shares_the_counts(samples: list[Sample]) -> None:
     assert all(mb.stats == expected for shard in shards for mb in shard)
     assert global_stats(samples, world_size=2).max_completion_tokens == 11
     assert sum(mb.num_sequences for shard in shards for mb in shard) == 8
+
+
+# --- several optimiser steps per batch (mini-batches x epochs) ---------------------------------------
+
+
+def test_mini_batches_are_whole_groups_with_the_whole_batchs_advantages(samples: list[Sample]) -> None:
+    whitened = AdvantageConfig(kind="batch_whitened")   # the estimator that depends on the whole batch
+    loss = LossConfig()
+    (whole,) = plan_updates(samples, advantage=whitened, loss=loss, batch=BatchConfig(), pad_token_id=0, dtype=F64)
+    updates = plan_updates(samples, advantage=whitened, loss=loss, batch=BatchConfig(mini_batches=2), pad_token_id=0,
+                           dtype=F64)
+    assert len(updates) == 2
+    advantages = sorted(a for plan in updates for mb in plan.shards[0] for a in mb.advantages.tolist())
+    assert advantages == pytest.approx(sorted(whole.shards[0][0].advantages.tolist()), rel=1e-12)
+    # each update is a global batch of its own: its denominators count only its samples
+    assert sum(plan.stats.num_loss_tokens for plan in updates) == whole.stats.num_loss_tokens
+    assert sum(plan.stats.num_sequences for plan in updates) == whole.stats.num_sequences
+
+
+def flat_weights(model: LlamaForCausalLM) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("off_policy", ["none", "decoupled"])
+def test_epochs_and_mini_batches_on_two_ranks_equal_one_process(
+    two_ranks: DataParallelGroup, policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample],
+    off_policy: str,
+) -> None:
+    loss = LossConfig.model_validate({"off_policy": off_policy, "clip_high": 0.28, "kl_coef": 0.05})
+    epochs, one_rank, two = 2, BatchConfig(mini_batches=2, micro_batches=2), \
+        BatchConfig(world_size=2, mini_batches=2, micro_batches=2)
+    local = copy.deepcopy(policy)
+    single = train_updates(local, torch.optim.SGD(local.parameters(), lr=1.0),
+                           [p.shards[0] for p in plan_updates(samples, advantage=ADVANTAGE, loss=loss, batch=one_rank,
+                                                              pad_token_id=0, dtype=F64)],
+                           loss, epochs=epochs, grad_clip=None, ref_model=reference)
+    two_ranks.load_state_dict(policy.state_dict())
+    both = two_ranks.train([p.shards for p in plan_updates(samples, advantage=ADVANTAGE, loss=loss, batch=two,
+                                                           pad_token_id=0, dtype=F64)],
+                           loss, epochs=epochs, grad_clip=None)
+    after = two_ranks.state_dict()
+    ranked = torch.cat([after[name].reshape(-1) for name, _ in policy.named_parameters()])
+    moved = flat_weights(local) - flat_weights(policy)
+    assert relative_error(ranked - flat_weights(policy), moved) < 1e-6
+    assert single["optimizer_steps"] == 4 and single["num_sequences"] == len(samples)
+    for key, value in single.items():
+        assert both[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_the_proximal_policy_is_recorded_once_before_the_first_update(
+    policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample]
+) -> None:
+    """Decoupled PPO clips around the proximal policy: two epochs must anchor both passes at the
+    weights from before the first update, not at the weights each pass starts from."""
+    loss = LossConfig(off_policy="decoupled", clip_high=0.28)
+    (plan,) = plan_updates(samples, advantage=ADVANTAGE, loss=loss, batch=BatchConfig(), pad_token_id=0, dtype=F64)
+    recorded = with_proximal_logprobs(policy, plan.shards[0], loss.temperature)
+    with torch.no_grad():
+        before, _ = completion_logprobs(policy, plan.shards[0][0])
+    assert torch.equal(recorded[0].proximal_logprobs, before)
+    two_epochs, step_by_step = copy.deepcopy(policy), copy.deepcopy(policy)
+    train_updates(two_epochs, torch.optim.SGD(two_epochs.parameters(), lr=1.0), [plan.shards[0]], loss, epochs=2,
+                  grad_clip=None)
+    sgd = torch.optim.SGD(step_by_step.parameters(), lr=1.0)
+    for _ in range(2):   # what a second train step on the same batch would do: proximal = its own start
+        train_step(step_by_step, sgd, plan.shards[0], loss, grad_clip=None)
+    moved = flat_weights(two_epochs) - flat_weights(policy)
+    assert relative_error(flat_weights(step_by_step) - flat_weights(policy), moved) > 1e-3

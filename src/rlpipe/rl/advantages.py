@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from rlpipe.schemas.algorithm import AdvantageConfig, AdvantageKind
+from rlpipe.schemas.algorithm import AdvantageConfig, AdvantageKind, OverlongConfig
 
 AdvantageFn = Callable[[Tensor, Tensor, float], Tensor]
 
@@ -114,3 +114,19 @@ def compute_advantages(
     if r.shape != (len(group_ids),):
         raise ValueError(f"rewards has shape {tuple(r.shape)} but there are {len(group_ids)} group ids")
     return ADVANTAGES[cfg.kind](r, group_indices(group_ids), cfg.std_eps)
+
+
+def overlong_penalty(num_tokens: int, cfg: OverlongConfig) -> float:
+    """DAPO's soft overlong punishment of a trajectory with `num_tokens` model tokens: 0 up to
+    max_tokens - window, then falling linearly to -penalty at max_tokens, -penalty beyond."""
+    free = cfg.max_tokens - cfg.window
+    if num_tokens <= free:
+        return 0.0
+    return -cfg.penalty * min(num_tokens - free, cfg.window) / cfg.window
+
+
+def shaped_rewards(rewards: Sequence[float], num_tokens: Sequence[int], cfg: OverlongConfig | None) -> list[float]:
+    """The rewards with each trajectory's overlong penalty added (unchanged when cfg is None)."""
+    if cfg is None:
+        return list(rewards)
+    return [r + overlong_penalty(n, cfg) for r, n in zip(rewards, num_tokens, strict=True)]

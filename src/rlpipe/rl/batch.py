@@ -75,6 +75,8 @@ class TrainBatch:
     sampler_logprobs: Tensor  # (N, L) float sampler logprob of each completion token (0 on padding)
     advantages: Tensor        # (N,) float one advantage per sequence
     stats: GlobalStats        # the step's global denominators, identical in every micro-batch
+    proximal_logprobs: Tensor | None = None  # (N, L) the trainer before the step's first update, when the
+                                             # step takes several (rl/step.with_proximal_logprobs)
 
     @property
     def num_sequences(self) -> int:
@@ -90,6 +92,7 @@ class TrainBatch:
             sampler_logprobs=self.sampler_logprobs.to(device),
             advantages=self.advantages.to(device),
             stats=self.stats,
+            proximal_logprobs=None if self.proximal_logprobs is None else self.proximal_logprobs.to(device),
         )
 
 

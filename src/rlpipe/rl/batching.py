@@ -105,7 +105,30 @@ def plan_step(
     dtype: torch.dtype = torch.float32,
 ) -> StepPlan:
     """Advantages and denominators over the whole global batch, then the split and collation."""
+    return _plan(assign_advantages(samples, advantage), loss=loss, batch=batch, pad_token_id=pad_token_id, dtype=dtype)
+
+
+def plan_updates(
+    samples: Sequence[Sample],
+    *,
+    advantage: AdvantageConfig,
+    loss: LossConfig,
+    batch: BatchConfig,
+    pad_token_id: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[StepPlan]:
+    """One plan per optimiser step of a pass (`batch.mini_batches`): advantages over the whole
+    batch first, then mini-batches of whole groups balanced by tokens, each with its own
+    denominators (each is the global batch of its update)."""
     samples = assign_advantages(samples, advantage)
+    parts = shard_by_rank(samples, batch.mini_batches)   # the same balanced cut as the ranks' shards
+    return [_plan(part, loss=loss, batch=batch, pad_token_id=pad_token_id, dtype=dtype) for part in parts if part]
+
+
+def _plan(
+    samples: Sequence[Sample], *, loss: LossConfig, batch: BatchConfig, pad_token_id: int, dtype: torch.dtype
+) -> StepPlan:
+    """Denominators over `samples` (advantages assigned), then the split over ranks and micro-batches."""
     stats = global_stats(samples, world_size=batch.world_size, max_completion_tokens=loss.max_completion_tokens)
     shards = []
     for shard in shard_by_rank(samples, batch.world_size):

@@ -46,7 +46,13 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from rlpipe.rl.batch import TrainBatch
-from rlpipe.rl.step import MetricTotals, accumulate_gradients, apply_gradients
+from rlpipe.rl.step import (
+    MetricTotals,
+    accumulate_gradients,
+    apply_gradients,
+    combine_updates,
+    with_proximal_logprobs,
+)
 from rlpipe.schemas.algorithm import LossConfig
 
 ModelFn = Callable[[], nn.Module]
@@ -59,7 +65,7 @@ BUCKET_NUMEL = 1 << 24  # gradients are all-reduced in flat buckets of at most t
 
 @dataclass(frozen=True)
 class _Command:
-    kind: Literal["step", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
+    kind: Literal["train", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
                   "call", "close"]
     """A method of `_Replica` (or close)."""
     payload: Any = None
@@ -137,16 +143,23 @@ class _Replica:
     optimizer: torch.optim.Optimizer
     ref_model: nn.Module | None
 
-    def step(self, payload: tuple[Sequence[TrainBatch], LossConfig, float | None, int | None]) -> Any:
-        shard, cfg, grad_clip, seed = payload
+    def train(self, payload: tuple[Sequence[Sequence[TrainBatch]], LossConfig, int, float | None, int | None]) -> Any:
+        """`epochs` passes over this rank's shard of each update, one optimiser step per update."""
+        updates, cfg, epochs, grad_clip, seed = payload
         if seed is not None:
             torch.manual_seed(seed * self.world_size + self.rank)   # distinct per rank, same on replay
+        if epochs * len(updates) > 1:
+            updates = [with_proximal_logprobs(self.model, shard, cfg.temperature) for shard in updates]
+        metrics = [self._update(shard, cfg, grad_clip) for _ in range(epochs) for shard in updates]
+        return self._rank0(lambda: combine_updates(metrics, epochs))
+
+    def _update(self, shard: Sequence[TrainBatch], cfg: LossConfig, grad_clip: float | None) -> dict[str, float]:
         self.model.zero_grad(set_to_none=True)
         totals = accumulate_gradients(self.model, shard, cfg, self.ref_model)   # this rank's shares, summed
         average_gradients(self.model, self.world_size, self.device)            # / world_size, as DDP
         reduce_totals(totals, self.device)
         grad_norm = apply_gradients(self.model, self.optimizer, grad_clip)     # same gradients on every rank
-        return self._rank0(lambda: totals.summary(shard[0].stats, grad_norm))
+        return totals.summary(shard[0].stats, grad_norm)
 
     def state_dict(self, _: None) -> Any:
         return self._rank0(lambda: cpu_copy(self.model.state_dict()))
@@ -274,16 +287,25 @@ class DataParallelGroup:
     ) -> dict[str, float]:
         """One optimisation step: rank r trains on `shards[r]` (from `batching.plan_step`); rank 0's
         metrics. `seed` (None: leave the generators alone) makes the step's randomness replayable."""
-        if len(shards) != self.world_size or any(not s for s in shards):
-            raise ValueError(
-                f"step needs {self.world_size} shards of at least one micro-batch each (plan_step makes them)"
-            )
-        if any(mb.stats.world_size != self.world_size for s in shards for mb in s):
-            raise ValueError(
-                f"the micro-batches were planned for another world size: plan with batch.world_size={self.world_size}"
-            )
-        for rank, shard in enumerate(shards):
-            self._inboxes[rank].put(_Command("step", (list(shard), cfg, grad_clip, seed)))
+        return self.train([shards], cfg, epochs=1, grad_clip=grad_clip, seed=seed)
+
+    def train(
+        self, updates: Sequence[Sequence[Sequence[TrainBatch]]], cfg: LossConfig, *, epochs: int,
+        grad_clip: float | None, seed: int | None = None,
+    ) -> dict[str, float]:
+        """`epochs` passes over `updates` (each the shards of one mini-batch, from `batching.plan_updates`),
+        one optimisation step per update; rank 0's metrics (rl/step.combine_updates)."""
+        for shards in updates:
+            if len(shards) != self.world_size or any(not s for s in shards):
+                raise ValueError(
+                    f"step needs {self.world_size} shards of at least one micro-batch each (plan_step makes them)"
+                )
+            if any(mb.stats.world_size != self.world_size for s in shards for mb in s):
+                raise ValueError(f"the micro-batches were planned for another world size: plan with "
+                                 f"batch.world_size={self.world_size}")
+        for rank in range(self.world_size):
+            mine = [list(shards[rank]) for shards in updates]
+            self._inboxes[rank].put(_Command("train", (mine, cfg, epochs, grad_clip, seed)))
         return cast(dict[str, float], self._collect())  # the answers come through a queue, untyped
 
     def state_dict(self) -> dict[str, Tensor]:

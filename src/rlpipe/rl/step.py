@@ -9,14 +9,16 @@ micro-batches from `batching.plan_step`; nothing here touches a database or Temp
     grad_norm = apply_gradients(model, optimizer, grad_clip)         # clip, step, zero
     metrics = totals.summary(stats, grad_norm)
 
-`train_step` chains the three for a single process. There is one optimiser step per global batch,
-so the trainer's logprobs "before the step" (the proximal policy of truncated_is and decoupled) are
-the current forward's logprobs, detached: no second forward pass is needed.
+`train_step` chains the three for a single process. With one optimiser step per global batch, the
+trainer's logprobs "before the step" (the proximal policy of truncated_is and decoupled) are the
+current forward's logprobs, detached: no second forward pass is needed. `train_updates` takes
+several (batch.epochs passes over batch.mini_batches mini-batches): it records those logprobs once,
+in one forward pass without gradients before the first update, and every update reads them.
 """
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +29,8 @@ from rlpipe.schemas.algorithm import LossConfig, OptimConfig
 
 BATCH_SUMS = ("adv", "adv_sq", "sequences", "tokens")
 """Totals over sequences (advantages) and real tokens that the step adds to the loss's metrics."""
+COUNT_METRICS = ("num_loss_tokens", "num_sequences", "num_tokens")
+"""Step metrics that count the batch (MetricTotals.summary): summed over a pass's mini-batches."""
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -135,7 +139,8 @@ def accumulate_gradients(
             advantages=mb.advantages,
             loss_mask=mb.loss_mask,
             entropy=entropy,
-            proximal_logprobs=logprobs.detach(),  # one optimiser step per batch: "before" = now
+            # the trainer before the step's first update: recorded when the step takes several, else now
+            proximal_logprobs=logprobs.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs,
             ref_logprobs=ref_logprobs,
         )
         out = compute_loss(inputs, cfg, mb.stats)
@@ -173,3 +178,50 @@ def train_step(
     totals = accumulate_gradients(model, micro_batches, cfg, ref_model)
     grad_norm = apply_gradients(model, optimizer, grad_clip)
     return totals.summary(stats, grad_norm)
+
+
+def with_proximal_logprobs(
+    model: nn.Module, micro_batches: Sequence[TrainBatch], temperature: float
+) -> list[TrainBatch]:
+    """The micro-batches with the model's current log-probabilities recorded (no gradient): the
+    proximal policy of every update of a step that takes several over the same batch."""
+    device = next(model.parameters()).device
+    recorded = []
+    with torch.no_grad():
+        for mb in micro_batches:
+            if mb.num_sequences == 0:
+                recorded.append(mb)
+                continue
+            logprobs, _ = completion_logprobs(model, mb.to(device), temperature)         # (N, L)
+            recorded.append(replace(mb, proximal_logprobs=logprobs.to(mb.sampler_logprobs.device)))
+    return recorded
+
+
+def combine_updates(metrics: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
+    """A step's metrics from those of its updates (`epochs` passes over the same mini-batches): the
+    mean of each, except the batch's counts, which add up over the mini-batches of one pass."""
+    if len(metrics) == 1:
+        return dict(metrics[0])
+    combined = {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]}
+    for k in COUNT_METRICS:
+        combined[k] = sum(m[k] for m in metrics) / epochs
+    return combined | {"optimizer_steps": float(len(metrics))}
+
+
+def train_updates(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    updates: Sequence[Sequence[TrainBatch]],
+    cfg: LossConfig,
+    *,
+    epochs: int,
+    grad_clip: float | None,
+    ref_model: nn.Module | None = None,
+) -> dict[str, float]:
+    """`epochs` passes over `updates` (one rank's micro-batches of each mini-batch), one optimiser
+    step per mini-batch; single process. One update is exactly `train_step`."""
+    if epochs * len(updates) > 1:
+        updates = [with_proximal_logprobs(model, u, cfg.temperature) for u in updates]
+    metrics = [train_step(model, optimizer, u, cfg, grad_clip=grad_clip, ref_model=ref_model)
+               for _ in range(epochs) for u in updates]
+    return combine_updates(metrics, epochs)

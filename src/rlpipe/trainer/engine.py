@@ -3,7 +3,7 @@
 The trainer talks to one small interface, whatever `batch.world_size` is:
 
     engine = open_engine(EngineSpec(...))    # weights directory + optimizer state (None: fresh)
-    metrics = engine.step(plan, seed)        # one optimiser step on a `batching.plan_step` plan
+    metrics = engine.step(updates, seed)     # a train step: `batching.plan_updates` plans, `epochs` passes
     engine.state_dict()                      # CPU copy of the weights: what is published
     engine.optimizer_state_dict()            # CPU copy of the optimizer: what recovery needs
     engine.evaluate(fn)                      # fn(policy) on the live weights (the probe)
@@ -23,7 +23,7 @@ be checkpointed. (The policies we train use no dropout; this keeps replay exact 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from rlpipe.rl.batching import StepPlan
 from rlpipe.rl.distributed import DataParallelGroup, cpu_copy
-from rlpipe.rl.step import make_optimizer, train_step
+from rlpipe.rl.step import make_optimizer, train_updates
 from rlpipe.schemas.algorithm import LossConfig, OptimConfig
 
 T = TypeVar("T")
@@ -68,11 +68,13 @@ class EngineSpec:
     loss: LossConfig
     optim: OptimConfig
     world_size: int
+    epochs: int = 1                       # passes over a step's mini-batches (batch.epochs)
 
 
 class Engine(Protocol):
-    def step(self, plan: StepPlan, seed: int) -> dict[str, float]:
-        """One optimiser step on the whole plan; the step's metrics (rl/step.MetricTotals.summary)."""
+    def step(self, updates: Sequence[StepPlan], seed: int) -> dict[str, float]:
+        """A train step: `epochs` passes over `updates`, one optimiser step per plan; the step's
+        metrics (rl/step.combine_updates)."""
         ...
 
     def state_dict(self) -> dict[str, Tensor]: ...
@@ -90,7 +92,7 @@ class LocalEngine:
     """The policy, its optimizer and the optional reference in this process."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        self.loss, self.grad_clip = spec.loss, spec.optim.grad_clip
+        self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_policy(spec.weights_dir).to(device)
         self.optimizer = make_optimizer(self.model.parameters(), spec.optim)
@@ -98,11 +100,11 @@ class LocalEngine:
             self.optimizer.load_state_dict(spec.optimizer_state)   # moves the state to the parameters' device
         self.ref_model = load_reference(spec.base_dir).to(device) if spec.loss.kl_coef > 0 else None
 
-    def step(self, plan: StepPlan, seed: int) -> dict[str, float]:
-        (shard,) = plan.shards
+    def step(self, updates: Sequence[StepPlan], seed: int) -> dict[str, float]:
         torch.manual_seed(seed)   # = rl.distributed's seed * world_size + rank for one rank
-        return train_step(self.model, self.optimizer, shard, self.loss, grad_clip=self.grad_clip,
-                          ref_model=self.ref_model)
+        shards = [shard for plan in updates for shard in plan.shards]   # one rank: one shard per update
+        return train_updates(self.model, self.optimizer, shards, self.loss, epochs=self.epochs,
+                             grad_clip=self.grad_clip, ref_model=self.ref_model)
 
     def state_dict(self) -> dict[str, Tensor]:
         return cpu_copy(self.model.state_dict())
@@ -121,7 +123,7 @@ class RankEngine:
     """`world_size` persistent data-parallel ranks (rl/distributed.py) holding identical replicas."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        self.loss, self.grad_clip = spec.loss, spec.optim.grad_clip
+        self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
         self.group = DataParallelGroup(
             spec.world_size,
             functools.partial(load_policy, spec.weights_dir),          # module functions: they pickle
@@ -136,8 +138,9 @@ class RankEngine:
                 self.group.close()
                 raise
 
-    def step(self, plan: StepPlan, seed: int) -> dict[str, float]:
-        return self.group.step(plan.shards, self.loss, grad_clip=self.grad_clip, seed=seed)
+    def step(self, updates: Sequence[StepPlan], seed: int) -> dict[str, float]:
+        return self.group.train([plan.shards for plan in updates], self.loss, epochs=self.epochs,
+                                grad_clip=self.grad_clip, seed=seed)
 
     def state_dict(self) -> dict[str, Tensor]:
         return self.group.state_dict()

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 import torch
 
 from rlpipe.policy.checkpoint import save_checkpoint
-from rlpipe.rl.batching import plan_step
+from rlpipe.rl.batching import plan_updates
 from rlpipe.rollout.context import RunContext, RunContexts
 from rlpipe.schemas.payloads import PublishedVersion, StepSummary, TrainStepInput
 from rlpipe.schemas.tables import PolicyVersion, TrainStep
@@ -42,7 +42,7 @@ from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.trainer.engine import Engine, EngineSpec, open_engine, step_seed
 from rlpipe.trainer.probe import make_probe, probe_ids
-from rlpipe.trainer.samples import batch_metrics, staleness, to_samples
+from rlpipe.trainer.samples import batch_metrics, staleness, to_samples, trajectory_metrics
 from rlpipe.weights.checkpoints import (
     Manifest,
     download_checkpoint,
@@ -145,7 +145,7 @@ class Trainer:
         cfg = ctx.config
         self.engine = open_engine(EngineSpec(base_dir=ctx.model_dir, weights_dir=weights_dir,
                                              optimizer_state=optimizer_state, loss=cfg.loss, optim=cfg.optim,
-                                             world_size=cfg.batch.world_size))
+                                             world_size=cfg.batch.world_size, epochs=cfg.batch.epochs))
         self.run_id, self.applied_step = cfg.name, step
 
     def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
@@ -158,17 +158,18 @@ class Trainer:
             rows = buffer.claimed_trajectories(s, cfg.name, step)
             version_steps = dict(s.execute(sa.select(PolicyVersion.version, PolicyVersion.trained_steps)
                                            .where(PolicyVersion.run_id == cfg.name)).all())
-        samples = to_samples(rows)
+        samples = to_samples(rows, mask_truncated=cfg.loss.mask_truncated)
         if not samples:
             raise RuntimeError(f"step {step} of run {cfg.name} claimed no completed trajectories")
         with timed(timings, "plan_s"):
-            plan = plan_step(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch,
-                             pad_token_id=ctx.tokenizer.pad_token_id or 0)
+            updates = plan_updates(samples, advantage=cfg.advantage, loss=cfg.loss, batch=cfg.batch,
+                                   pad_token_id=ctx.tokenizer.pad_token_id or 0)
         with timed(timings, "engine_s"):
-            metrics = self.engine.step(plan, step_seed(cfg.optim.seed, step))
+            metrics = self.engine.step(updates, step_seed(cfg.optim.seed, step))
         self.applied_step = step
         stale = staleness(samples, step, version_steps)
-        return metrics | batch_metrics(samples, plan, stale) | {"staleness": stale}  # per trajectory, for metrics
+        return (metrics | batch_metrics(samples, updates, stale) | trajectory_metrics(rows)
+                | {"staleness": stale})  # per trajectory, for metrics
 
     def _newest_version(self, run_id: str, step: int) -> PolicyVersion:
         """The newest published version trained for at most `step` steps: where a restore starts."""
