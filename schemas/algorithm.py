@@ -14,7 +14,9 @@ AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "batch_whitened"]
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant_normalizer"]
 PolicyLoss = Literal["ppo_clip", "cispo"]
 RatioLevel = Literal["token", "sequence"]
-OffPolicyCorrection = Literal["none", "truncated_is", "decoupled"]
+OffPolicyCorrection = Literal["none", "truncated_is", "sequence_truncate", "sequence_mask", "decoupled"]
+CAPPED_BY_TIS_CAP = ("truncated_is", "sequence_truncate", "sequence_mask")
+"""The corrections whose importance weight `tis_cap` bounds."""
 KLEstimator = Literal["k1", "k2", "k3"]
 MicroBatchSplit = Literal["count", "tokens"]
 
@@ -97,10 +99,14 @@ class LossConfig(BaseModel):
     off_policy: OffPolicyCorrection = "none"
     """none: PPO ratio against the sampler's logprobs; truncated_is: PPO ratio against the
     trainer's own logprobs before the step, times min(trainer_before / sampler, tis_cap) (TIS, Yao
-    et al. 2025); decoupled: AReaL's decoupled PPO, clip around the proximal policy (the trainer's
-    logprobs before the step) and weight by proximal / behaviour (sampler) probabilities."""
+    et al. 2025); sequence_truncate / sequence_mask: the same clip, weighted per sequence by the
+    product of its tokens' trainer_before / sampler ratios, truncated at tis_cap or, above it, set to
+    0 (the sequence is dropped) (TRL's vllm_importance_sampling_mode); decoupled: AReaL's decoupled
+    PPO, clip around the proximal policy (the trainer's logprobs before the step) and weight by
+    proximal / behaviour (sampler) probabilities."""
     tis_cap: float = Field(2.0, ge=1, allow_inf_nan=False)
-    """truncated_is only: the importance weight is truncated at this value (TIS uses 2)."""
+    """truncated_is, sequence_truncate, sequence_mask: the cap of the importance weight (TIS uses 2,
+    TRL's sequence modes 3)."""
     decoupled_weight_cap: float | None = Field(None, gt=1, allow_inf_nan=False)
     """decoupled only: tokens whose proximal/behaviour weight exceeds this are dropped from the
     loss (AReaL's behav_imp_weight_cap); None keeps every token."""
@@ -150,9 +156,9 @@ class LossConfig(BaseModel):
         if self.kl_is_correction and self.kl_coef == 0:
             raise ValueError("loss.kl_is_correction corrects the KL penalty, which kl_coef=0 turns off: "
                              "set kl_coef > 0 or remove kl_is_correction")
-        if self.tis_cap != defaults["tis_cap"].default and self.off_policy != "truncated_is":
+        if self.tis_cap != defaults["tis_cap"].default and self.off_policy not in CAPPED_BY_TIS_CAP:
             raise ValueError(
-                f"loss.tis_cap is only read by off_policy='truncated_is' (off_policy is "
+                f"loss.tis_cap is only read by off_policy in {CAPPED_BY_TIS_CAP} (off_policy is "
                 f"{self.off_policy!r}): remove it or set off_policy='truncated_is'"
             )
         if self.decoupled_weight_cap is not None and self.off_policy != "decoupled":

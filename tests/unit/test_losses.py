@@ -135,6 +135,25 @@ def test_compute_loss_truncated_is() -> None:
         compute_loss(one_sequence(logprobs, sampler, 1.0, [1, 1]), cfg, TWO_TOKENS)
 
 
+@pytest.mark.parametrize(("mode", "loss", "second_weight"), [("sequence_truncate", -2.75, 3.0),
+                                                             ("sequence_mask", -1.25, 0.0)])
+def test_compute_loss_sequence_level_importance_weights(mode: str, loss: float, second_weight: float) -> None:
+    # proximal = current (one update per batch); proximal / sampler per token: row 1 [2, 1.25, -] -> 2.5 under
+    # the cap 3; row 2 [2, 2, -] -> 4 over it: truncated to 3, or masked to 0. A = 1, ratio to proximal 1:
+    # per token -weight; token mean over 4 loss tokens
+    logprobs = torch.cat([logs(0.5, 0.5, 0.3), logs(0.5, 0.4, 0.3)]).requires_grad_()
+    sampler = torch.cat([logs(0.25, 0.4, 0.0), logs(0.25, 0.2, 0.0)])
+    x = LossInputs(logprobs=logprobs, sampler_logprobs=sampler, advantages=torch.ones(2, dtype=torch.float64),
+                   loss_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.float64),
+                   entropy=torch.zeros_like(logprobs), proximal_logprobs=logprobs.detach())
+    out = compute_loss(x, LossConfig(off_policy=mode, tis_cap=3.0), GlobalStats(4, 2, 3))
+    assert out.loss.item() == pytest.approx(loss, rel=1e-12)
+    out.loss.backward()
+    want = [-2.5 / 4, -2.5 / 4, 0.0, -second_weight / 4, -second_weight / 4, 0.0]   # d loss / d logprob: -w / 4
+    assert logprobs.grad.reshape(-1).tolist() == pytest.approx(want, abs=1e-15)
+    assert out.sums["is_capped_frac"].item() == 2.0   # the two loss tokens of row 2
+
+
 def test_compute_loss_decoupled_clips_around_the_proximal_policy() -> None:
     # token 1: pi/prox = 1.5 (clipped to 1.2 for A = 1), prox/mu = 0.5 -> 0.5 * -1.2 = -0.6, grad 0
     # token 2: pi/prox = 1, prox/mu = 3 > cap 2 -> dropped (weight 0)
@@ -251,7 +270,7 @@ def test_empty_micro_batch_gives_zero_loss_tied_to_the_graph(rows: int, aggregat
     ("fields", "message"),
     [
         ({"max_completion_tokens": 512}, "aggregation='constant_normalizer'"),
-        ({"tis_cap": 3.0}, "off_policy='truncated_is'"),
+        ({"tis_cap": 3.0}, "off_policy in"),
         ({"decoupled_weight_cap": 5.0}, "off_policy='decoupled'"),
         ({"aggregation": "bnpo"}, "aggregation"),
         ({"clip_low": 1.5}, "clip_low"),

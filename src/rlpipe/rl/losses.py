@@ -15,6 +15,7 @@ An empty micro-batch (no loss tokens) returns a zero loss that is still tied to 
 backward runs on every rank and every micro-batch alike.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,18 @@ def truncated_is_weights(proximal_logprobs: Tensor, sampler_logprobs: Tensor, ca
     return (proximal_logprobs - sampler_logprobs).exp().clamp(max=cap).detach()
 
 
+def sequence_is_weights(
+    proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float, *, drop: bool
+) -> tuple[Tensor, Tensor]:
+    """A sequence's importance weight pi_prox(y) / mu(y), the product of its tokens' ratios, detached:
+    truncated at `cap`, or with `drop`, 0 above it. (N, L) x 2 -> weight (N, 1), capped (N, 1) bool.
+    Masked slots must hold equal values in both (ratio 1), as compute_loss makes them."""
+    log_weight = (proximal_logprobs - sampler_logprobs).sum(-1, keepdim=True).detach()   # (N, 1)
+    capped = log_weight > math.log(cap)
+    weight = log_weight.clamp(max=math.log(cap)).exp()                                  # never overflows
+    return (weight.masked_fill(capped, 0.0) if drop else weight), capped
+
+
 def decoupled_weights(proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float | None) -> Tensor:
     """AReaL's behaviour weight pi_prox / mu, detached: (N, L) -> (N, L); tokens above `cap` get
     weight 0 (dropped, not truncated), None keeps all. The PPO clip itself is taken around pi_prox."""
@@ -173,6 +186,7 @@ def off_policy_terms(
     """The PPO ratio's anchor, the per-token weight and where the cap acted, each (N, L), by correction:
     1) none: clip around the sampler mu, weight 1;
     2) truncated_is: clip around pi_prox, weight min(pi_prox / mu, tis_cap);
+       sequence_truncate / sequence_mask: the same, one weight per sequence (sequence_is_weights);
     3) decoupled: clip around pi_prox, weight pi_prox / mu, 0 above decoupled_weight_cap."""
     no_cap = torch.zeros_like(sampler_logprobs, dtype=torch.bool)
     if cfg.off_policy == "none":
@@ -183,6 +197,10 @@ def off_policy_terms(
     if cfg.off_policy == "truncated_is":
         weight = truncated_is_weights(proximal_logprobs, sampler_logprobs, cfg.tis_cap)
         return proximal_logprobs, weight, prox_over_mu > cfg.tis_cap
+    if cfg.off_policy in ("sequence_truncate", "sequence_mask"):
+        weight, capped = sequence_is_weights(proximal_logprobs, sampler_logprobs, cfg.tis_cap,
+                                             drop=cfg.off_policy == "sequence_mask")
+        return proximal_logprobs, weight.expand_as(sampler_logprobs), capped.expand_as(sampler_logprobs)
     cap = cfg.decoupled_weight_cap
     weight = decoupled_weights(proximal_logprobs, sampler_logprobs, cap)
     return proximal_logprobs, weight, no_cap if cap is None else prox_over_mu > cap
