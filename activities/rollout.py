@@ -11,7 +11,7 @@ from rlpipe.activities.definitions import FINISH_GROUP, GENERATE, START_GROUP
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.observe.metrics import METRICS
-from rlpipe.rl.advantages import compute_advantages, shaped_rewards
+from rlpipe.rl.advantages import compute_advantages, shaped_rewards, uninformative
 from rlpipe.rollout.assemble import assemble
 from rlpipe.rollout.context import RunContexts
 from rlpipe.rollout.generation import plan_turn, sample_turn, turn_row
@@ -111,8 +111,13 @@ class RolloutActivities:
                                                  len(ts))
                            for trajectory_id, reward, advantage, trajectory, ts
                            in zip(inp.trajectory_ids, rewards, advantages, trajectories, turns, strict=True)]
+                status, reason = inp.status, inp.reason
+                if status == "completed" and ctx.config.rollout.dynamic_sampling and uninformative(rewards):
+                    status, reason = buffer.admit_uninformative(s, run_id=inp.run_id, group_index=inp.group_index,
+                                                                rewards=rewards,
+                                                                budget=ctx.config.rollout.dynamic_sampling_budget)
                 group = buffer.finish_group(s, run_id=inp.run_id, group_index=inp.group_index, samples=samples,
-                                            discarded_ids=inp.discarded_ids, status=inp.status, reason=inp.reason)
+                                            discarded_ids=inp.discarded_ids, status=status, reason=reason)
                 return GroupSummary(group.group_index, group.status, group.min_version, group.n_completed,
                                     group.reward_mean, group.status_reason)
 

@@ -79,6 +79,15 @@ class RolloutConfig(Strict):
     tool or environment that fails every time would otherwise spend compute forever. The pause
     reason quotes the last failure; `resume` starts the count again. None never pauses. (Groups
     dropped at their deadline are the straggler policy at work, not failures, and do not count.)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (every sample right, or every one
+    wrong) has advantage 0 everywhere and teaches nothing, so it is dropped when it completes
+    (status 'dropped', reason 'uninformative: ...'; its trajectories and rewards stay for audit) and
+    the launcher draws another in its place, within the staleness budget."""
+    dynamic_sampling_budget: int = Field(16, ge=1)
+    """Uninformative groups that may be dropped in a row. The next one is kept, with its zero
+    advantages, and a `failures` row says so: a policy that has saturated its task (or a grader
+    that scores everything alike) slows the run down instead of stalling it."""
     hedge_samples: int = Field(0, ge=0)
     """Extra samples started per group; the first `group_size` to finish are kept, the rest discarded."""
     tool_latency: LatencyModel = NoLatency()

@@ -34,8 +34,9 @@ def retry(attempts: int, first_s: float = 1.0, max_s: float = 30.0) -> RetryPoli
                        non_retryable_error_types=NON_RETRYABLE)
 
 
-BOOKKEEPING: ActivityOptions = {"start_to_close_timeout": timedelta(seconds=60), "retry_policy": retry(0, max_s=10)}
-"""Database writes on the workflow queue: retried until the database is back."""
+BOOKKEEPING: ActivityOptions = {"start_to_close_timeout": timedelta(seconds=20), "retry_policy": retry(0, max_s=10)}
+"""Database writes on the workflow queue: retried until the database is back. Each takes well under
+a second; the limit is how long one lost with a killed worker holds up its group before it is retried."""
 
 TRAIN: ActivityOptions = {"start_to_close_timeout": timedelta(hours=2), "heartbeat_timeout": timedelta(seconds=30),
                           "retry_policy": retry(0, first_s=2, max_s=30)}

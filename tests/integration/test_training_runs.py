@@ -18,10 +18,14 @@ from rlpipe.cli.run_commands import start_run
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.infra.temporal import temporal_binary
+from rlpipe.observe.queries import group_counts
 from rlpipe.rl.advantages import overlong_penalty
 from rlpipe.schemas.algorithm import OverlongConfig
+from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import WORKFLOW_QUEUE
+from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
+from rlpipe.storage.runs import register_run
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
 from tests.waiting import run_result
 
@@ -85,6 +89,47 @@ async def test_overlong_shaping_and_truncation_masking_reach_the_buffer_and_the_
         assert step.metrics["num_loss_tokens"] == sum(sum(t.loss_mask) for t in batch if t.finish_reason != "length")
         assert step.metrics["truncated_frac"] == pytest.approx(
             sum(t.finish_reason == "length" for t in batch) / len(batch))
+
+
+async def test_dynamic_sampling_trains_only_on_informative_groups(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+    # two samples per prompt: most groups of the tiny model are uniform (about 5 in 6 all wrong); a budget
+    # that is never reached, so that every consumed group must be informative
+    cfg = tiny_config(tiny_model, steps=3, eval={"prompts": 4},
+                      rollout={"group_size": 2, "groups_per_step": 2, "dynamic_sampling": True,
+                               "dynamic_sampling_budget": 10_000})
+    await run_to_end(temporal_client, cfg)
+    assert_audit_trail(migrated_db, cfg)
+    groups = rows(migrated_db, "select status, status_reason, claimed_step, reward_std from rollout_groups "
+                               "where run_id = :r", r=cfg.name)
+    consumed = [g for g in groups if g.claimed_step is not None]
+    assert len(consumed) == cfg.steps * 2 and all(g.reward_std > 0 for g in consumed), consumed
+    skipped = [g for g in groups if g.status == "dropped" and g.status_reason.startswith("uninformative")]
+    assert skipped and all(g.reward_std == 0 and g.claimed_step is None for g in skipped)
+    with migrated_db.begin() as s:
+        assert group_counts(s, cfg.name).uninformative_dropped == len(skipped)
+
+
+def test_dynamic_sampling_keeps_a_group_once_its_budget_is_spent(migrated_db: Database) -> None:
+    cfg = RunConfig(name=f"ds-{uuid.uuid4().hex[:8]}")
+    with migrated_db.begin() as s:
+        register_run(s, cfg)
+    verdicts = []
+    for index in range(3):   # budget 2: two uniform groups in a row are dropped, the third is kept
+        with migrated_db.begin() as s:
+            buffer.start_group(s, run_id=cfg.name, group_index=index, prompt_index=index, task_id=f"t{index}",
+                               workflow_id=f"w{index}", n_samples=2, prompt_ids=[1])
+            status, reason = buffer.admit_uninformative(s, run_id=cfg.name, group_index=index, rewards=[1.0, 1.0],
+                                                        budget=2)
+            buffer.finish_group(s, run_id=cfg.name, group_index=index, samples=[], discarded_ids=[], status=status,
+                                reason=reason)
+            verdicts.append((status, reason))
+    assert verdicts[:2] == [("dropped", "uninformative: all 2 rewards are 1")] * 2
+    assert verdicts[2] == ("completed", None)
+    [failure] = rows(migrated_db, "select kind, message from failures where run_id = :r", r=cfg.name)
+    assert failure.kind == "dynamic_sampling" and "rollout.dynamic_sampling_budget=2" in failure.message
+    with migrated_db.begin() as s:   # a kept group starts the count again
+        assert buffer.uninformative_in_a_row(s, cfg.name) == 0
 
 
 async def test_sync_mode_never_overlaps_training_and_rollouts(

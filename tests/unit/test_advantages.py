@@ -17,6 +17,7 @@ from rlpipe.rl.advantages import (
     overlong_penalty,
     rloo_advantages,
     shaped_rewards,
+    uninformative,
 )
 from rlpipe.rl.batch import Sample
 from rlpipe.rl.batching import assign_advantages, plan_step, shard_by_rank
@@ -166,3 +167,8 @@ def test_shaped_rewards_add_the_penalty_before_the_advantages() -> None:
     assert adv[0] > adv[1] > 0 > adv[2] == adv[3]
     with pytest.raises(ValueError, match="window"):
         OverlongConfig(max_tokens=4, window=5)
+
+
+def test_uninformative_groups_are_those_with_one_reward() -> None:
+    assert uninformative([1.0, 1.0, 1.0]) and uninformative([0.0, 0.0]) and uninformative([0.5])
+    assert not uninformative([1.0, 0.0, 1.0]) and not uninformative([])

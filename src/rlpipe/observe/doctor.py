@@ -423,9 +423,10 @@ def check_learning_signal(f: RunFacts) -> Finding:
     if f.groups.consumed == 0:
         return Finding(LEARNING_SIGNAL, "ok", {"consumed_groups": 0}, "no consumed groups yet")
     share = f.groups.zero_std_consumed / f.groups.consumed
-    evidence = {"consumed_groups": f.groups.consumed, "zero_std_share": _r(share)}
+    evidence = {"consumed_groups": f.groups.consumed, "zero_std_share": _r(share),
+                "uninformative_dropped": f.groups.uninformative_dropped}
     remedy = ("make the task's difficulty match the policy (env.difficulty), raise rollout.group_size, "
-              "or grade with partial credit")
+              "grade with partial credit, or drop such groups before training (rollout.dynamic_sampling)")
     if share >= ZERO_STD_PROBLEM:
         return Finding(LEARNING_SIGNAL, "problem", evidence,
                        f"{share:.0%} of the groups got one reward for every sample: their advantages are zero and "

@@ -183,6 +183,8 @@ class GroupCounts:
     failed: int
     zero_std_consumed: int
     """Consumed groups whose samples all got the same reward: their GRPO advantages are all zero."""
+    uninformative_dropped: int
+    """Groups that dynamic sampling dropped for the same reason (rollout.dynamic_sampling)."""
 
 
 def group_counts(s: Session, run_id: str) -> GroupCounts:
@@ -192,7 +194,8 @@ def group_counts(s: Session, run_id: str) -> GroupCounts:
                count(*) filter (where claimed_step is not null),
                count(*) filter (where status = 'dropped'),
                count(*) filter (where status = 'failed'),
-               count(*) filter (where claimed_step is not null and coalesce(reward_std, 0) < 1e-9)
+               count(*) filter (where claimed_step is not null and coalesce(reward_std, 0) < 1e-9),
+               count(*) filter (where status = 'dropped' and status_reason like 'uninformative%')
         from rollout_groups where run_id = :run""", run=run_id)[0]
     return GroupCounts(*row)
 

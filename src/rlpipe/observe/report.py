@@ -147,7 +147,8 @@ def key_numbers(d: ReportData) -> list[tuple[str, str]]:
         ("wall time", f"{wall:.1f} s"),
         ("trained tokens", f"{tokens} ({tokens / wall:.1f} tokens/s)" if wall > 0 else str(tokens)),
         ("groups", f"{d.groups.consumed} consumed, {d.groups.completed - d.groups.consumed} waiting, "
-                   f"{d.groups.dropped} dropped, {d.groups.failed} failed"),
+                   f"{d.groups.dropped} dropped ({d.groups.uninformative_dropped} as uninformative), "
+                   f"{d.groups.failed} failed"),
         ("reward (first -> last step)", f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"),
         ("staleness (mean / max / bound)",
          f"{sum(k * v for k, v in d.staleness.items()) / n_stale:.2f} / {max(d.staleness)} / {d.info.max_staleness}"

@@ -130,3 +130,9 @@ def shaped_rewards(rewards: Sequence[float], num_tokens: Sequence[int], cfg: Ove
     if cfg is None:
         return list(rewards)
     return [r + overlong_penalty(n, cfg) for r, n in zip(rewards, num_tokens, strict=True)]
+
+
+def uninformative(rewards: Sequence[float], tolerance: float = 1e-9) -> bool:
+    """A group whose rewards are all equal: every group estimator gives it advantage 0 (DAPO's
+    dynamic sampling drops such groups)."""
+    return len(rewards) > 0 and max(rewards) - min(rewards) <= tolerance

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from rlpipe.schemas.tables import PolicyVersion, RolloutGroup, Trajectory, Turn
 from rlpipe.schemas.trajectory import AssembledTrajectory, TurnTokens
+from rlpipe.storage.runs import record_failure
 
 
 # -- groups -----------------------------------------------------------------------------------------
@@ -139,6 +140,37 @@ def finish_group(s: Session, *, run_id: str, group_index: int, samples: Sequence
     group.reward_std = _std(rewards) if rewards else None
     group.completed_at = sa.func.now()
     return group
+
+
+UNINFORMATIVE = "uninformative"
+"""The status_reason prefix of a group dropped by dynamic sampling (rollout.dynamic_sampling)."""
+
+
+def uninformative_in_a_row(s: Session, run_id: str) -> int:
+    """Groups of the run dropped as uninformative since its latest completed group."""
+    latest_kept = (sa.select(sa.func.max(RolloutGroup.completed_at))
+                   .where(RolloutGroup.run_id == run_id, RolloutGroup.status == "completed").scalar_subquery())
+    return int(s.scalar(sa.select(sa.func.count()).where(
+        RolloutGroup.run_id == run_id, RolloutGroup.status == "dropped",
+        RolloutGroup.status_reason.startswith(UNINFORMATIVE),
+        RolloutGroup.completed_at > sa.func.coalesce(latest_kept, sa.literal("-infinity").cast(sa.DateTime(True))),
+    )) or 0)
+
+
+def admit_uninformative(s: Session, *, run_id: str, group_index: int, rewards: Sequence[float],
+                        budget: int) -> tuple[str, str | None]:
+    """Dynamic sampling's verdict on a group whose rewards are all equal, as (status, reason): dropped
+    (the launcher draws another), or kept with its zero advantages once `budget` groups in a row were
+    dropped, so that a saturated task cannot stall the run (a failures row says so)."""
+    why = f"{UNINFORMATIVE}: all {len(rewards)} rewards are {rewards[0]:g}"
+    in_a_row = uninformative_in_a_row(s, run_id)
+    if in_a_row < budget:
+        return "dropped", why
+    record_failure(s, run_id=run_id, kind="dynamic_sampling", error_type="DynamicSamplingBudget",
+                   message=f"group {group_index} kept with zero advantages ({why}): {in_a_row} uninformative "
+                           f"groups in a row reached rollout.dynamic_sampling_budget={budget}",
+                   workflow_id=f"{run_id}-group-{group_index}", activity_id="dynamic-sampling")
+    return "completed", None
 
 
 def _std(values: Sequence[float]) -> float:
