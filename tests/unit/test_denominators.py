@@ -57,12 +57,16 @@ OBJECTIVES: dict[str, dict[str, object]] = {
 }
 """Each policy-gradient objective, with clips and caps that some tokens or sequences of the batch reach
 (and the KL penalty reweighted by the importance ratio)."""
+SEQUENCE_WEIGHTS: dict[str, dict[str, object]] = {
+    mode: {"clip_high": 0.28, "off_policy": mode, "tis_cap": 1.5} for mode in ("sequence_truncate", "sequence_mask")
+}
+"""The sequence-level importance weights; the noisy sampler puts some sequences above the cap."""
 
 
 def loss_config(aggregation: Aggregation, objective: str = "ppo_clip") -> LossConfig:
     """Every term on: the objective (the sampler logprobs are noisy, so some tokens clip), KL, entropy."""
     return LossConfig.model_validate({"aggregation": aggregation, "kl_coef": 0.05, "entropy_coef": 0.01,
-                                      **OBJECTIVES[objective]})
+                                      **(OBJECTIVES | SEQUENCE_WEIGHTS)[objective]})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -185,7 +189,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("objective", OBJECTIVES | SEQUENCE_WEIGHTS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batches_give_the_full_batch_gradient(
     policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], aggregation: Aggregation,
@@ -218,6 +222,17 @@ def test_each_objectives_clip_acts_on_part_of_the_batch(
     assert 0.0 < metrics["clip_frac"] < 1.0 and 0.0 < metrics["clip_seq_frac"] < 1.0, metrics
 
 
+@pytest.mark.parametrize("objective", SEQUENCE_WEIGHTS)
+def test_each_sequence_weights_cap_acts_on_part_of_the_batch(
+    policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], objective: str
+) -> None:
+    loss = loss_config("token_mean", objective)
+    (whole,) = plan(samples, loss, BatchConfig())
+    metrics = train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), whole, loss, grad_clip=None,
+                         ref_model=reference)
+    assert 0.0 < metrics["is_capped_frac"] < 1.0, metrics
+
+
 @pytest.fixture(scope="module")
 def two_ranks(model_dirs: tuple[Path, Path]) -> Iterator[DataParallelGroup]:
     """Two gloo ranks with SGD(lr=1): the update of a step is minus the averaged gradient."""
@@ -242,7 +257,7 @@ def data_parallel_gradient(
     return torch.cat([(before[name] - after[name]).reshape(-1) for name, _ in policy.named_parameters()])
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("objective", OBJECTIVES | SEQUENCE_WEIGHTS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_two_ranks_give_the_full_batch_gradient(
     two_ranks: DataParallelGroup,
