@@ -210,15 +210,21 @@ def test_micro_batches_give_the_full_batch_gradient(
     assert relative_error(gradient(policy, packed, loss, reference), full) < 1e-6
 
 
+def whole_batch_metrics(policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample],
+                        objective: str) -> dict[str, float]:
+    """The step metrics of `objective` on the whole batch, weights left as they are (lr 0)."""
+    loss = loss_config("token_mean", objective)
+    (whole,) = plan(samples, loss, BatchConfig())
+    return train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), whole, loss, grad_clip=None,
+                      ref_model=reference)
+
+
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_each_objectives_clip_acts_on_part_of_the_batch(
     policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], objective: str
 ) -> None:
     """So that the split tests above cover both branches of every clip or cap."""
-    loss = loss_config("token_mean", objective)
-    (whole,) = plan(samples, loss, BatchConfig())
-    metrics = train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), whole, loss, grad_clip=None,
-                         ref_model=reference)
+    metrics = whole_batch_metrics(policy, reference, samples, objective)
     assert 0.0 < metrics["clip_frac"] < 1.0 and 0.0 < metrics["clip_seq_frac"] < 1.0, metrics
 
 
@@ -226,10 +232,7 @@ def test_each_objectives_clip_acts_on_part_of_the_batch(
 def test_each_sequence_weights_cap_acts_on_part_of_the_batch(
     policy: LlamaForCausalLM, reference: LlamaForCausalLM, samples: list[Sample], objective: str
 ) -> None:
-    loss = loss_config("token_mean", objective)
-    (whole,) = plan(samples, loss, BatchConfig())
-    metrics = train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), whole, loss, grad_clip=None,
-                         ref_model=reference)
+    metrics = whole_batch_metrics(policy, reference, samples, objective)
     assert 0.0 < metrics["is_capped_frac"] < 1.0, metrics
 
 

@@ -50,8 +50,7 @@ from rlpipe.rl.step import (
     MetricTotals,
     accumulate_gradients,
     apply_gradients,
-    combine_updates,
-    with_proximal_logprobs,
+    run_epochs,
 )
 from rlpipe.schemas.algorithm import LossConfig
 
@@ -148,10 +147,8 @@ class _Replica:
         updates, cfg, epochs, grad_clip, seed = payload
         if seed is not None:
             torch.manual_seed(seed * self.world_size + self.rank)   # distinct per rank, same on replay
-        if epochs * len(updates) > 1:
-            updates = [with_proximal_logprobs(self.model, shard, cfg.temperature) for shard in updates]
-        metrics = [self._update(shard, cfg, grad_clip) for _ in range(epochs) for shard in updates]
-        return self._rank0(lambda: combine_updates(metrics, epochs))
+        metrics = run_epochs(self.model, updates, cfg, epochs, lambda shard: self._update(shard, cfg, grad_clip))
+        return self._rank0(lambda: metrics)
 
     def _update(self, shard: Sequence[TrainBatch], cfg: LossConfig, grad_clip: float | None) -> dict[str, float]:
         self.model.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ in one forward pass without gradients before the first update, and every update 
 """
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -220,8 +220,20 @@ def train_updates(
 ) -> dict[str, float]:
     """`epochs` passes over `updates` (one rank's micro-batches of each mini-batch), one optimiser
     step per mini-batch; single process. One update is exactly `train_step`."""
+    return run_epochs(model, updates, cfg, epochs,
+                      lambda u: train_step(model, optimizer, u, cfg, grad_clip=grad_clip, ref_model=ref_model))
+
+
+def run_epochs(
+    model: nn.Module,
+    updates: Sequence[Sequence[TrainBatch]],
+    cfg: LossConfig,
+    epochs: int,
+    update: Callable[[Sequence[TrainBatch]], dict[str, float]],
+) -> dict[str, float]:
+    """`epochs` passes of `update` (one optimiser step) over `updates`, after recording the proximal
+    log-probabilities when there is more than one step; the combined metrics. Shared by the
+    single-process path and each data-parallel rank."""
     if epochs * len(updates) > 1:
         updates = [with_proximal_logprobs(model, u, cfg.temperature) for u in updates]
-    metrics = [train_step(model, optimizer, u, cfg, grad_clip=grad_clip, ref_model=ref_model)
-               for _ in range(epochs) for u in updates]
-    return combine_updates(metrics, epochs)
+    return combine_updates([update(u) for _ in range(epochs) for u in updates], epochs)
