@@ -31,6 +31,8 @@ from rlpipe.schemas.payloads import (
     InitPolicyInput,
     PublishedVersion,
     RegisterRunResult,
+    RejectedRun,
+    RunCheckInput,
     RunStatusUpdate,
     StartGroupInput,
     StartGroupResult,
@@ -63,8 +65,13 @@ SET_RUN_STATUS: ActivityDefinition[RunStatusUpdate, None] = ActivityDefinition(
     "set_run_status", RunStatusUpdate, None, WORKFLOW_QUEUE)
 RECORD_FAILURE: ActivityDefinition[FailureRecord, None] = ActivityDefinition(
     "record_failure", FailureRecord, None, WORKFLOW_QUEUE)
+RECORD_REJECTED_RUN: ActivityDefinition[RejectedRun, None] = ActivityDefinition(
+    "record_rejected_run", RejectedRun, None, WORKFLOW_QUEUE)
 
 # -- rollout -----------------------------------------------------------------------------------------
+CHECK_TASKS: ActivityDefinition[RunCheckInput, None] = ActivityDefinition(
+    "check_tasks", RunCheckInput, None, ROLLOUT_QUEUE)
+"""Before the first group: the run's environment can produce its train and eval tasks."""
 START_GROUP = ActivityDefinition("start_group", StartGroupInput, StartGroupResult, ROLLOUT_QUEUE)
 GENERATE = ActivityDefinition("generate", GenerateInput, GenerateResult, ROLLOUT_QUEUE)
 FINISH_GROUP = ActivityDefinition("finish_group", FinishGroupInput, GroupSummary, ROLLOUT_QUEUE)
@@ -81,5 +88,5 @@ SYNC_WEIGHTS = ActivityDefinition("sync_weights", SyncInput, SyncResult, None)
 """On `payloads.sync_queue(server)`: the sidecar beside that server."""
 
 ALL_ACTIVITIES: tuple[ActivityDefinition[Any, Any], ...] = (
-    REGISTER_RUN, SET_RUN_STATUS, RECORD_FAILURE, START_GROUP, GENERATE, FINISH_GROUP, RUN_TOOL, GRADE_GROUP,
-    EVALUATE, INIT_POLICY, TRAIN_STEP, SYNC_WEIGHTS)
+    REGISTER_RUN, SET_RUN_STATUS, RECORD_FAILURE, RECORD_REJECTED_RUN, CHECK_TASKS, START_GROUP, GENERATE,
+    FINISH_GROUP, RUN_TOOL, GRADE_GROUP, EVALUATE, INIT_POLICY, TRAIN_STEP, SYNC_WEIGHTS)

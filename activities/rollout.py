@@ -7,13 +7,13 @@ import asyncio
 from temporalio import activity
 
 from rlpipe.activities.common import heartbeating, instrumented
-from rlpipe.activities.definitions import FINISH_GROUP, GENERATE, START_GROUP
+from rlpipe.activities.definitions import CHECK_TASKS, FINISH_GROUP, GENERATE, START_GROUP
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.observe.metrics import METRICS
 from rlpipe.rl.advantages import compute_advantages, shaped_rewards, uninformative
 from rlpipe.rollout.assemble import assemble
-from rlpipe.rollout.context import RunContexts
+from rlpipe.rollout.context import RunContexts, draw_task
 from rlpipe.rollout.generation import plan_turn, sample_turn, turn_row
 from rlpipe.rollout.tokens import request_seed
 from rlpipe.schemas.config import RunConfig
@@ -22,6 +22,7 @@ from rlpipe.schemas.payloads import (
     GenerateInput,
     GenerateResult,
     GroupSummary,
+    RunCheckInput,
     StartGroupInput,
     StartGroupResult,
 )
@@ -46,11 +47,26 @@ class RolloutActivities:
             self._clients[key] = InferenceClient(self.servers[server], model, route="generate")
         return self._clients[key]
 
+    @activity.defn(name=CHECK_TASKS.name)
+    @instrumented("rollout", "config")
+    async def check_tasks(self, inp: RunCheckInput) -> None:
+        """Fail the run at its start, with the environment's own reason, if it cannot produce the
+        first train task or its eval set; groups would otherwise fail one by one."""
+        ctx = self.contexts.get(inp.run_id)
+        from rlpipe.policy.chat import chat_prompt_ids
+
+        def check() -> None:
+            for index in range(ctx.env.size("eval")):
+                draw_task(ctx.env, "eval", index)
+            chat_prompt_ids(ctx.tokenizer, ctx.env.initial_messages(draw_task(ctx.env, "train", 0)))
+
+        await asyncio.to_thread(check)
+
     @activity.defn(name=START_GROUP.name)
     @instrumented("persist", "rollout")
     async def start_group(self, inp: StartGroupInput) -> StartGroupResult:
         ctx = self.contexts.get(inp.run_id)
-        task = ctx.env.task("train", inp.group_index % ctx.env.size("train"))
+        task = draw_task(ctx.env, "train", inp.group_index % ctx.env.size("train"))
         from rlpipe.policy.chat import chat_prompt_ids
 
         prompt_ids = chat_prompt_ids(ctx.tokenizer, ctx.env.initial_messages(task))

@@ -6,6 +6,7 @@ Postgres or S3 and pass references (the claim-check pattern), keeping histories 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Task queues, one per box. `inference-<server>` queues are per server (see `sync_queue`).
 WORKFLOW_QUEUE = "rlpipe"
@@ -75,6 +76,8 @@ class RunState:
     last_step_summary: StepSummary | None = None
     evals: list[EvalSummary] = field(default_factory=list)
     last_group_failure: str | None = None
+    close_reason: str | None = None
+    """Why the run failed or was cancelled (phase "failed" / "cancelled")."""
     """Why the latest failed or dropped group ended so (e.g. the inference server is unreachable)."""
 
 
@@ -104,6 +107,8 @@ class RunStatus:
     last_group_failure: str | None = None
     unavailable_servers: list[str] = field(default_factory=list)
     """Servers that verifiably hold no published version (down, or restarted): no group goes to them."""
+    close_reason: str | None = None
+    """Why the run failed or was cancelled."""
 
 
 @dataclass
@@ -320,6 +325,21 @@ class RunStatusUpdate:
     run_id: str
     status: str
     reason: str | None = None
+
+
+@dataclass
+class RejectedRun:
+    """A run whose config failed validation inside the workflow: it still gets a row in `runs`."""
+
+    workflow_id: str
+    config: Any
+    """The config as given (usually the Web UI's JSON object)."""
+    reason: str
+
+
+@dataclass
+class RunCheckInput:
+    run_id: str
 
 
 @dataclass

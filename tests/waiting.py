@@ -13,6 +13,7 @@ import asyncio
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError
 
+from rlpipe.cli.run_commands import failure_chain
 from rlpipe.schemas.payloads import RunResult, RunStatus
 from rlpipe.workflows.training_run import TrainingRunWorkflow
 
@@ -49,17 +50,6 @@ def _finished(result: asyncio.Future[RunResult], workflow_id: str) -> RunResult:
         return result.result()
     except WorkflowFailureError as err:
         raise RunStalled(f"run {workflow_id} failed: {failure_chain(err)}") from err
-
-
-def failure_chain(err: BaseException) -> str:
-    """The messages of an exception and its causes, outermost first (Temporal wraps the reason
-    a run failed in a chain: workflow failure <- activity error <- application error)."""
-    messages: list[str] = []
-    current: BaseException | None = err
-    while current is not None:
-        messages.append(str(current) or type(current).__name__)
-        current = current.__cause__
-    return " <- ".join(messages)
 
 
 async def _status(handle: WorkflowHandle) -> RunStatus | None:

@@ -37,9 +37,10 @@ async def run_rollout_worker(max_concurrent_generations: int = 256) -> None:
     orchestration = Worker(client, task_queue=WORKFLOW_QUEUE, workflow_runner=workflow_runner(),
                            workflows=[TrainingRunWorkflow, RolloutGroupWorkflow],
                            activities=[bookkeeping.register_run, bookkeeping.set_run_status,
-                                       bookkeeping.record_failure])
+                                       bookkeeping.record_failure, bookkeeping.record_rejected_run])
     generation = Worker(client, task_queue=ROLLOUT_QUEUE,
-                        activities=[rollouts.start_group, rollouts.generate, rollouts.finish_group],
+                        activities=[rollouts.check_tasks, rollouts.start_group, rollouts.generate,
+                                    rollouts.finish_group],
                         max_concurrent_activities=max_concurrent_generations)
     log.info("serving %s and %s with inference servers %s", WORKFLOW_QUEUE, ROLLOUT_QUEUE, servers)
     await asyncio.gather(orchestration.run(), generation.run())

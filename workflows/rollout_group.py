@@ -5,7 +5,9 @@
                 ─▶ grade_group ─▶ finish_group (advantages, one transaction) ─▶ signal the run
 
 Every model call and tool call is its own activity, so a worker crash re-runs only the call in
-flight: completed turns are in the history (and in `turns`), never generated again.
+flight: completed turns are in the history (and in `turns`), never generated again. A group whose
+task cannot be drawn fails at once (the reason is the environment's); a cancelled group (its run
+was cancelled) closes its books as dropped before it ends.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from rlpipe.workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
 
 GROUP_FINISHED_SIGNAL = "group_finished"
+RUN_CANCELLED = "run cancelled"
 
 
 @workflow.defn
@@ -39,15 +42,32 @@ class RolloutGroupWorkflow:
     def __init__(self) -> None:
         self.finished: list[int] = []  # sample indices, in the order they finished
         self.failed: dict[int, str] = {}  # sample index -> why
+        self.samples: list[asyncio.Task[None]] = []
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupSummary:
-        started = await execute(
-            act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
-                                             inp.group_size + inp.hedge_samples), **BOOKKEEPING)
+        try:
+            started = await execute(
+                act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
+                                                 inp.group_size + inp.hedge_samples), **BOOKKEEPING)
+        except ActivityError as err:  # not retried: the environment cannot produce this group's task
+            reason = f"group {inp.group_index} could not start: {_cause(err)}"
+            await self._record(inp, "rollout", reason)
+            return await self._report(inp, GroupSummary(inp.group_index, "failed", reason=reason))
         ids = started.trajectory_ids
-        samples = [asyncio.create_task(self._sample(inp, i, ids[i])) for i in range(len(ids))]
+        try:
+            return await self._report(inp, await self._play(inp, ids))
+        except asyncio.CancelledError:
+            # the run was cancelled: close the group's books, so that no trajectory stays "generating"
+            for task in self.samples:
+                task.cancel()
+            await execute(act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [], [], ids, "dropped",
+                                                             RUN_CANCELLED), **BOOKKEEPING)
+            raise
 
+    async def _play(self, inp: GroupInput, ids: list[int]) -> GroupSummary:
+        """Run the samples, keep the first `group_size` that finish, grade them and close the group."""
+        self.samples = [asyncio.create_task(self._sample(inp, i, ids[i])) for i in range(len(ids))]
         enough = lambda: len(self.finished) >= inp.group_size or len(self.finished) + len(self.failed) == len(ids)  # noqa: E731
         timeout = timedelta(seconds=inp.group_deadline_s) if inp.group_deadline_s else None
         deadline_passed = False
@@ -55,7 +75,7 @@ class RolloutGroupWorkflow:
             await workflow.wait_condition(enough, timeout=timeout)
         except TimeoutError:
             deadline_passed = True
-        for task in samples:  # hedged extras and stragglers are not waited for
+        for task in self.samples:  # hedged extras and stragglers are not waited for
             task.cancel()
 
         kept = sorted(self.finished[: inp.group_size])
@@ -82,10 +102,13 @@ class RolloutGroupWorkflow:
             except ActivityError as err:
                 status, reason = "failed", f"grading failed: {_cause(err)}"
 
-        summary = await execute(
+        return await execute(
             act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept] if rewards else [],
                                                rewards, left_out if rewards else ids, status, reason),
             **BOOKKEEPING)
+
+    async def _report(self, inp: GroupInput, summary: GroupSummary) -> GroupSummary:
+        """Tell the run how the group ended, and return that."""
         try:
             await workflow.get_external_workflow_handle(inp.run_workflow_id).signal(GROUP_FINISHED_SIGNAL, summary)
         except Exception:  # noqa: BLE001 - the run has ended (cancelled or finished): nobody to tell

@@ -35,6 +35,8 @@ with workflow.unsafe.imports_passed_through():
         GroupSummary,
         InitPolicyInput,
         PauseRequest,
+        RejectedRun,
+        RunCheckInput,
         RunResult,
         RunState,
         RunStatus,
@@ -74,7 +76,15 @@ class TrainingRunWorkflow:
     # -- the run ------------------------------------------------------------------------------------
     @workflow.run
     async def run(self, config: RunConfig, carried: RunState | None = None) -> RunResult:
-        self.config = config = _validated(config)
+        try:
+            self.config = config = _validated(config)
+        except ApplicationError as err:  # a run that was started has a row, even one that never ran
+            self._close("failed", err.message)
+            await execute(act.RECORD_REJECTED_RUN, RejectedRun(workflow.info().workflow_id, config, err.message),
+                          **BOOKKEEPING)
+            raise
+        if workflow.patched("run-name-at-start"):  # the CLI finds a run started under another id by its name
+            workflow.upsert_search_attributes([RUN_NAME.value_set(config.name)])
         try:
             if carried is None:
                 await self._start()
@@ -96,10 +106,12 @@ class TrainingRunWorkflow:
             # a cancel reaches `run` as CancelledError, or as ActivityError while it awaits an activity;
             # any other FailureError fails the run: Postgres then says why, as the workflow's failure does
             self.stopping = True
-            if is_cancelled_exception(err):
-                await self._set_status("cancelled", "cancelled by user")
-            else:
-                await self._set_status("failed", _describe(err))
+            status, reason = ("cancelled", "cancelled by user") if is_cancelled_exception(err) else \
+                ("failed", _describe(err))
+            self._close(status, reason)
+            if workflow.patched("cancel-groups-with-run"):
+                await self._cancel_groups()
+            await self._set_status(status, reason)
             raise
         self._set_phase("completed")
         await self._set_status("completed", None)
@@ -115,6 +127,9 @@ class TrainingRunWorkflow:
             raise ApplicationError("no inference servers are configured for the workers (INFERENCE_URLS or "
                                    "`rlpipe stack up --inference N`)", non_retryable=True)
         self.state.servers = registered.servers
+        if workflow.patched("check-tasks-at-start"):  # an environment that cannot produce tasks fails the run now
+            self._set_phase("checking tasks")
+            await execute(act.CHECK_TASKS, RunCheckInput(cfg.name), **BOOKKEEPING)
         self._set_phase("publishing base policy")
         base = await execute(act.INIT_POLICY, InitPolicyInput(cfg.name), **TRAIN)
         self.state.version, self.state.version_steps = base.version, [base.trained_steps]
@@ -148,6 +163,13 @@ class TrainingRunWorkflow:
                 id=f"{workflow.info().workflow_id}-group-{index}", task_queue=WORKFLOW_QUEUE,
                 parent_close_policy=ParentClosePolicy.ABANDON,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+
+    async def _cancel_groups(self) -> None:
+        """Cancel the groups in flight. They are abandoned children (so that they outlive a
+        continue-as-new of the run): a cancelled or failed run does not stop them by itself."""
+        run_workflow_id = workflow.info().workflow_id
+        await asyncio.gather(*(workflow.get_external_workflow_handle(f"{run_workflow_id}-group-{index}").cancel()
+                               for index in self.state.in_flight), return_exceptions=True)  # closed ones: nothing to do
 
     def _launch_server(self) -> str | None:
         """The server the next group should go to, or None if no group may start now."""
@@ -318,7 +340,8 @@ class TrainingRunWorkflow:
                          groups_failed=s.groups_failed, paused=s.paused, pause_reason=s.pause_reason,
                          sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
                          evals=list(s.evals), last_group_failure=s.last_group_failure,
-                         unavailable_servers=[name for name in s.servers if name not in s.server_versions])
+                         unavailable_servers=[name for name in s.servers if name not in s.server_versions],
+                         close_reason=s.close_reason)
 
     @workflow.update
     async def pause(self, request: PauseRequest) -> RunStatus:
@@ -373,6 +396,11 @@ class TrainingRunWorkflow:
         self.state.paused, self.state.pause_reason = True, reason
         self._set_phase("paused")
         await self._set_status("paused", reason)
+
+    def _close(self, status: str, reason: str) -> None:
+        """What the status query says of a run that failed or was cancelled (no command: replays
+        of runs closed before this existed stay the same)."""
+        self.state.phase, self.state.close_reason = status, reason
 
     def _set_phase(self, phase: str) -> None:
         self.state.phase = phase

@@ -58,7 +58,7 @@ from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.infra.stack import Stack
 from rlpipe.rollout.generation import ContextTooLong, TurnPlan, sample_turn
 from rlpipe.schemas.config import RunConfig
-from rlpipe.schemas.payloads import ScheduleUpdate
+from rlpipe.schemas.payloads import WORKFLOW_QUEUE, ScheduleUpdate
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import DuplicateRunName, register_run
@@ -291,6 +291,38 @@ async def test_missing_model_fails_the_run_at_once(
     assert run.status == "failed" and "no such directory" in run.status_reason, run
     assert stored_counts(migrated_db, cfg.name)["policy_versions"] == 0
     assert all(record.is_running() for record in pipeline_workers.table.load().values())
+
+
+@pytest.mark.usefixtures("clean_workflows")
+async def test_an_environment_that_cannot_draw_its_tasks_fails_the_run_at_once(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = tiny_config(tiny_model)  # one-digit sums: 100 distinct questions, fewer than the 200 asked for
+    env = cfg.env.model_copy(update={"eval_size": 200, "difficulty": {"min_digits": 1, "max_digits": 1,
+                                                                     "operators": ["+"]}})
+    cfg = cfg.model_copy(update={"env": type(cfg.env).model_validate(env.model_dump())})
+    with pytest.raises(WorkflowFailureError):
+        await asyncio.wait_for((await start_run(temporal_client, cfg)).result(), RUN_TIMEOUT_S)
+    [run] = rows(migrated_db, "select status, status_reason from runs where id = :r", r=cfg.name)
+    assert run.status == "failed" and "too few distinct questions for eval_size=200" in run.status_reason, run
+    failures = rows(migrated_db, "select kind, error_type, attempt from failures where run_id = :r", r=cfg.name)
+    assert [(f.kind, f.error_type, f.attempt) for f in failures] == [("config", "ConfigError", 1)], "retried in vain"
+    assert stored_counts(migrated_db, cfg.name) == dict.fromkeys(stored_counts(migrated_db, cfg.name), 0)
+
+
+@pytest.mark.usefixtures("clean_workflows")
+async def test_a_config_rejected_inside_the_workflow_still_gets_its_row(
+        temporal_client: Client, pipeline_workers, migrated_db: Database) -> None:  # type: ignore[no-untyped-def]
+    workflow_id = f"typed-in-the-ui-{uuid.uuid4().hex[:8]}"
+    name = f"ui-{uuid.uuid4().hex[:8]}"
+    handle = await temporal_client.start_workflow(  # the Web UI's Start Workflow form: one JSON argument
+        "TrainingRunWorkflow", {"name": name, "steps": 0}, id=workflow_id, task_queue=WORKFLOW_QUEUE)
+    with pytest.raises(WorkflowFailureError):
+        await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    [run] = rows(migrated_db, "select workflow_id, status, status_reason, config from runs where id = :r", r=name)
+    assert run.workflow_id == workflow_id and run.status == "failed" and "steps" in run.status_reason, run
+    assert run.config == {"name": name, "steps": 0}
+    status = await run_commands.run_status(temporal_client, workflow_id)
+    assert status.phase == "failed" and status.close_reason == run.status_reason
 
 
 async def test_prompt_over_the_servers_context_is_refused_not_retried(

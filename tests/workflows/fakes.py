@@ -14,12 +14,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from rlpipe.activities.definitions import (
+    CHECK_TASKS,
     EVALUATE,
     FINISH_GROUP,
     GENERATE,
     GRADE_GROUP,
     INIT_POLICY,
     RECORD_FAILURE,
+    RECORD_REJECTED_RUN,
     REGISTER_RUN,
     RUN_TOOL,
     SET_RUN_STATUS,
@@ -41,6 +43,8 @@ from rlpipe.schemas.payloads import (
     InitPolicyInput,
     PublishedVersion,
     RegisterRunResult,
+    RejectedRun,
+    RunCheckInput,
     RunStatusUpdate,
     StartGroupInput,
     StartGroupResult,
@@ -52,6 +56,7 @@ from rlpipe.schemas.payloads import (
     TrainStepInput,
     sync_queue,
 )
+from rlpipe.workflows.rollout_group import RUN_CANCELLED
 
 
 @dataclass
@@ -73,6 +78,13 @@ class FakeBooks:
     """The server of every generate call, in order."""
     grading_error: str | None = None
     """While set, grading fails with this message (a broken grader), without retries."""
+    task_error: str | None = None
+    """While set, the environment cannot produce tasks: the run's check fails with it."""
+    group_start_error: str | None = None
+    """While set, starting a group fails with it (a task the environment cannot draw)."""
+    rejected: list[RejectedRun] = field(default_factory=list)
+    cancelled_groups: list[int] = field(default_factory=list)
+    """Groups whose workflow was cancelled and closed their books (status dropped)."""
 
     def log(self, kind: str, index: int) -> None:
         self.events.append((time.monotonic(), kind, index))
@@ -99,8 +111,15 @@ class FakeBooks:
             books.log("sync_end", inp.version)
             return SyncResult(server, inp.version, "ok", 0.02)
 
+        @activity.defn(name=CHECK_TASKS.name)
+        async def check_tasks(inp: RunCheckInput) -> None:
+            if books.task_error is not None:
+                raise ApplicationError(books.task_error, type="ConfigError", non_retryable=True)
+
         @activity.defn(name=START_GROUP.name)
         async def start_group(inp: StartGroupInput) -> StartGroupResult:
+            if books.group_start_error is not None:
+                raise ApplicationError(books.group_start_error, type="ConfigError", non_retryable=True)
             books.log("group_start", inp.group_index)
             books.groups.setdefault(inp.group_index, {"version": books.server_version.get("0", 0),
                                                       "status": "running", "claimed": None})
@@ -128,6 +147,8 @@ class FakeBooks:
         async def finish_group(inp: FinishGroupInput) -> GroupSummary:
             group = books.groups[inp.group_index]
             group["status"] = inp.status
+            if inp.reason == RUN_CANCELLED:
+                books.cancelled_groups.append(inp.group_index)
             books.log("group_end", inp.group_index)
             return GroupSummary(inp.group_index, inp.status, group["version"], len(inp.trajectory_ids), 0.5,
                                 reason=inp.reason)
@@ -162,9 +183,13 @@ class FakeBooks:
         async def record_failure(record: FailureRecord) -> None:
             books.failures.append(record)
 
+        @activity.defn(name=RECORD_REJECTED_RUN.name)
+        async def record_rejected_run(rejected: RejectedRun) -> None:
+            books.rejected.append(rejected)
+
         @activity.defn(name=SET_RUN_STATUS.name)
         async def set_run_status(update: RunStatusUpdate) -> None:
             books.statuses.append(update.status)
 
-        return [register_run, init_policy, sync_weights, start_group, generate, run_tool, grade_group,
-                finish_group, train_step, evaluate, record_failure, set_run_status]
+        return [register_run, init_policy, sync_weights, check_tasks, start_group, generate, run_tool, grade_group,
+                finish_group, train_step, evaluate, record_failure, record_rejected_run, set_run_status]

@@ -9,10 +9,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
 from temporalio.worker import Worker
 
-from rlpipe.cli.run_commands import start_run
+from rlpipe.cli.run_commands import RunCommandError, cancel, find_run, run_status, start_run
 from rlpipe.schemas.config import RunConfig, parse_run_config
 from rlpipe.schemas.payloads import (
     GRADER_QUEUE,
@@ -245,3 +251,85 @@ async def test_schedule_update_is_validated(temporal_client: Client) -> None:
         status = await handle.execute_update(TrainingRunWorkflow.set_schedule, ScheduleUpdate(max_staleness=2))
         assert status.max_staleness == 2
         await finished(handle)
+
+
+async def test_a_run_whose_environment_cannot_produce_tasks_fails_at_once(temporal_client: Client) -> None:
+    books = FakeBooks(task_error="environment 'spelling' cannot be built: FileNotFoundError: words.jsonl")
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, config())
+        with pytest.raises(RunStalled, match="words.jsonl"):
+            await run_result(handle, timeout_s=RESULT_TIMEOUT_S, poll_s=0.1)
+        status = await handle.query(TrainingRunWorkflow.status)
+    assert status.phase == "failed" and status.close_reason is not None and "words.jsonl" in status.close_reason
+    assert books.statuses == ["failed"] and not books.groups, "no group may start on tasks that cannot be drawn"
+
+
+async def test_a_group_whose_task_cannot_be_drawn_fails_and_the_run_pauses_saying_why(temporal_client: Client) -> None:
+    books = FakeBooks(group_start_error="environment 'spelling' cannot produce train task 3: IndexError")
+    cfg = config(rollout={"group_size": 2, "groups_per_step": 2, "pause_after_failed_groups": 2})
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        try:
+            with pytest.raises(RunStalled, match="cannot produce train task 3"):
+                await run_result(handle, timeout_s=RESULT_TIMEOUT_S, poll_s=0.1)
+            status = await handle.query(TrainingRunWorkflow.status)
+        finally:
+            await handle.cancel()
+    assert status.groups_failed >= 2 and status.paused
+    assert any("could not start" in f.message for f in books.failures)
+
+
+async def test_cancelling_a_run_cancels_its_groups(temporal_client: Client) -> None:
+    books = FakeBooks(generate_delay_s=60)  # every group stays in flight until cancelled
+    cfg = config()
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        while (await handle.query(TrainingRunWorkflow.status)).in_flight < 2 or len(books.groups) < 2:
+            await asyncio.sleep(0.05)
+        await cancel(temporal_client, cfg.name)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        in_flight = sorted(books.groups)  # none can finish: every group started is in flight
+        groups = [temporal_client.get_workflow_handle(f"{handle.id}-group-{i}") for i in in_flight]
+        for _ in range(100):  # the cancels reach the groups a moment after the run closes
+            closed = [(await g.describe()).status for g in groups]
+            if all(s == WorkflowExecutionStatus.CANCELED for s in closed):
+                break
+            await asyncio.sleep(0.1)
+    assert closed == [WorkflowExecutionStatus.CANCELED] * len(groups)
+    assert sorted(books.cancelled_groups) == in_flight, "a cancelled group must close its books"
+    assert books.statuses[-1] == "cancelled"
+
+
+async def test_a_rejected_config_gets_a_row_and_a_status_that_says_why(temporal_client: Client) -> None:
+    workflow_id = f"from-the-ui-{uuid.uuid4().hex[:8]}"
+    async with fake_pipeline(temporal_client, books := FakeBooks()):
+        handle = await temporal_client.start_workflow(
+            "TrainingRunWorkflow", {"name": "typo", "rollout": {"group_sise": 4}}, id=workflow_id,
+            task_queue=WORKFLOW_QUEUE)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    [rejected] = books.rejected
+    assert rejected.workflow_id == workflow_id and "rollout.group_sise" in rejected.reason
+    assert rejected.config == {"name": "typo", "rollout": {"group_sise": 4}}
+    async with fake_pipeline(temporal_client, FakeBooks()):  # new workers: the query replays the history
+        status = await run_status(temporal_client, workflow_id)
+    assert status.phase == "failed" and status.close_reason is not None
+    assert "rollout.group_sise" in status.close_reason
+
+
+async def test_a_run_started_under_another_id_is_found_by_its_name(temporal_client: Client) -> None:
+    cfg = config(steps=2)
+    workflow_id = f"started-from-the-ui-{uuid.uuid4().hex[:8]}"
+    async with fake_pipeline(temporal_client, FakeBooks()):
+        handle = await temporal_client.start_workflow(TrainingRunWorkflow.run, cfg, id=workflow_id,
+                                                      task_queue=WORKFLOW_QUEUE)
+        await finished(handle)
+        for _ in range(100):  # visibility (the RunName search attribute) lags the history a little
+            try:
+                found = await find_run(temporal_client, cfg.name)
+                break
+            except RunCommandError:
+                await asyncio.sleep(0.1)
+        status = await run_status(temporal_client, cfg.name)
+    assert found.id == workflow_id and status.run == cfg.name and status.step == 2

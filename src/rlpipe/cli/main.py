@@ -236,7 +236,10 @@ def cmd_run_status(args: argparse.Namespace) -> None:
         closed = _run_call(lambda c: run_commands.watch(c, args.run))
         console.print(f"run {args.run}: {closed.name.lower()}")
         return
-    console.print(run_commands.status_table(_run_call(lambda c: run_commands.run_status(c, args.run))))
+    status = _run_call(lambda c: run_commands.run_status(c, args.run))
+    console.print(run_commands.status_table(status))
+    if status.close_reason is not None:  # failed or cancelled: scripts see it in the exit status
+        raise SystemExit(1)
 
 
 def cmd_run_pause(args: argparse.Namespace) -> None:

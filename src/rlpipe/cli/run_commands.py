@@ -6,19 +6,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+)
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
-from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.config import RUN_NAME_PATTERN, RunConfig
 from rlpipe.schemas.payloads import WORKFLOW_QUEUE, PauseRequest, RunStatus, ScheduleUpdate
 from rlpipe.workflows.training_run import TrainingRunWorkflow
 
@@ -31,6 +38,30 @@ class RunCommandError(RuntimeError):
 
 def workflow_id(run: str) -> str:
     return run if run.startswith("run-") else f"run-{run}"
+
+
+async def find_run(client: Client, run: str) -> WorkflowHandle:
+    """The workflow of run `run`: `run-<name>`; else (a run started from the Web UI under an id of
+    its own) the newest TrainingRun workflow whose RunName is `run`; else the workflow id `run`."""
+    async for candidate in _candidates(client, run):
+        handle = client.get_workflow_handle(candidate)
+        try:
+            await handle.describe()
+            return handle
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise RunCommandError(f"cannot ask Temporal about run '{run}': {exc.message}") from exc
+    raise RunCommandError(f"no run '{run}': no workflow {workflow_id(run)} or {run}, and no TrainingRun workflow "
+                          f"whose RunName is '{run}' (`rlpipe run list` shows them all)")
+
+
+async def _candidates(client: Client, run: str) -> AsyncIterator[str]:
+    """Workflow ids that may be run `run`'s, in the order `find_run` tries them."""
+    yield workflow_id(run)
+    if re.fullmatch(RUN_NAME_PATTERN, run):  # a run name (which also keeps the query free of quotes)
+        async for wf in client.list_workflows(f"WorkflowType = 'TrainingRunWorkflow' AND RunName = '{run}'"):
+            yield wf.id
+    yield run
 
 
 async def start_run(client: Client, config: RunConfig) -> WorkflowHandle:
@@ -61,11 +92,36 @@ def _digest(config: RunConfig) -> str:
 
 
 async def run_status(client: Client, run: str) -> RunStatus:
-    handle = client.get_workflow_handle(workflow_id(run))
+    """The run's status from its workflow. A closed run answers from a replay of its history, which
+    code changed since it ran may not reproduce: a failed or cancelled run then says why it closed."""
+    handle = await find_run(client, run)
     try:
         return await handle.query(TrainingRunWorkflow.status)
-    except RPCError as exc:
-        raise RunCommandError(f"no run '{run}' to ask: {exc.message}") from exc
+    except (RPCError, WorkflowQueryFailedError) as exc:
+        closed = (await handle.describe()).status
+        if closed in (None, WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED):
+            raise RunCommandError(f"run '{run}' cannot answer now: {exc}") from exc
+        raise RunCommandError(f"run '{run}' {closed.name.lower()}: {await close_reason(handle)}") from exc
+
+
+async def close_reason(handle: WorkflowHandle) -> str:
+    """Why a run that did not complete closed: its failure, outermost message first."""
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        return failure_chain(err)
+    return "it completed"
+
+
+def failure_chain(err: BaseException) -> str:
+    """The messages of an exception and its causes, outermost first (Temporal wraps the reason
+    a run failed in a chain: workflow failure <- activity error <- application error)."""
+    messages: list[str] = []
+    current: BaseException | None = err
+    while current is not None:
+        messages.append(str(current) or type(current).__name__)
+        current = current.__cause__
+    return " <- ".join(messages)
 
 
 async def final_status(client: Client, run: str) -> RunStatus:
@@ -89,7 +145,7 @@ async def set_schedule(client: Client, run: str, update: ScheduleUpdate) -> RunS
 async def _update(client: Client, run: str,
                   send: Callable[[WorkflowHandle[Any, Any]], Awaitable[RunStatus]]) -> RunStatus:
     """`send` one update to the run's workflow; a rejected or failed update becomes a RunCommandError."""
-    handle = client.get_workflow_handle(workflow_id(run))
+    handle = await find_run(client, run)
     try:
         return await send(handle)
     except Exception as exc:  # WorkflowUpdateFailedError carries the validator's message
@@ -98,7 +154,7 @@ async def _update(client: Client, run: str,
 
 
 async def cancel(client: Client, run: str) -> None:
-    await client.get_workflow_handle(workflow_id(run)).cancel()
+    await (await find_run(client, run)).cancel()
 
 
 async def list_runs(client: Client) -> list[tuple[str, str, str]]:
@@ -111,7 +167,8 @@ async def list_runs(client: Client) -> list[tuple[str, str, str]]:
 def status_table(status: RunStatus) -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2))
     last = status.last_step
-    table.add_row("phase", status.phase + (f" ({status.pause_reason})" if status.paused else ""))
+    table.add_row("phase", status.phase + (f" ({status.pause_reason})" if status.paused else "") +
+                  (f" ({status.close_reason})" if status.close_reason else ""))
     table.add_row("policy version", f"v{status.version}  servers: " +
                   ", ".join(f"{s}=v{v}" for s, v in sorted(status.server_versions.items())))
     table.add_row("groups", f"{status.in_flight} in flight, {status.buffered} buffered, {status.groups_consumed} "
@@ -132,7 +189,7 @@ def status_table(status: RunStatus) -> Table:
 
 async def watch(client: Client, run: str, poll_s: float = 1.0) -> WorkflowExecutionStatus:
     """Show the run's progress until its workflow closes; returns how it closed."""
-    handle = client.get_workflow_handle(workflow_id(run))
+    handle = await find_run(client, run)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("steps"), TimeElapsedColumn())
     task = progress.add_task(f"run {run}", total=None)

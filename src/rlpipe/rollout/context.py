@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlpipe.envs.base import Environment
+from rlpipe.envs.base import Environment, Split, Task
 from rlpipe.envs.registry import build_environment
 from rlpipe.schemas.config import ConfigError, RunConfig
 from rlpipe.storage.db import Database
@@ -72,8 +72,24 @@ class RunContexts:
             return self._cache[run_id]
         with self.db.begin() as s:
             config = load_run_config(s, run_id)
-        context = RunContext(config, build_environment(config.env))
+        try:
+            env = build_environment(config.env)
+        except Exception as exc:  # noqa: BLE001 - whatever the environment raises, every try raises it again
+            raise ConfigError(f"run {run_id}: environment {config.env.name!r} cannot be built: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        context = RunContext(config, env)
         self._cache[run_id] = context
         if len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
         return context
+
+
+def draw_task(env: Environment, split: Split, index: int) -> Task:
+    """`env.task(split, index)`, with whatever the environment raises (a data file that is missing,
+    too few distinct questions for `eval_size`) as a ConfigError: the same draw fails the same way
+    on every try, so retrying it would only hide the reason."""
+    try:
+        return env.task(split, index)
+    except Exception as exc:  # noqa: BLE001 - see above
+        raise ConfigError(f"environment {env.name!r} cannot produce {split} task {index}: "
+                          f"{type(exc).__name__}: {exc}") from exc

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.config import RUN_NAME_PATTERN, RunConfig
 from rlpipe.schemas.tables import Failure, Run
 
 
@@ -22,10 +23,12 @@ def config_sha256(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
-def register_run(s: Session, config: RunConfig) -> None:
-    """Create the run's row; a second registration with the identical config is a no-op."""
+def register_run(s: Session, config: RunConfig, workflow_id: str | None = None) -> None:
+    """Create the run's row; a second registration with the identical config is a no-op.
+    `workflow_id` is the run workflow's own id, which differs from `run-<name>` when the run was
+    started from the Web UI with another id (the sidecars signal the run by it)."""
     digest = config_sha256(config)
-    s.execute(insert(Run).values(id=config.name, workflow_id=config.workflow_id, mode=config.mode,
+    s.execute(insert(Run).values(id=config.name, workflow_id=workflow_id or config.workflow_id, mode=config.mode,
                                  config=config.model_dump(mode="json"), config_sha256=digest)
               .on_conflict_do_nothing(index_elements=[Run.id]))
     existing = s.get(Run, config.name)
@@ -34,6 +37,34 @@ def register_run(s: Session, config: RunConfig) -> None:
         created = existing.created_at.strftime("%Y-%m-%d %H:%M")
         raise DuplicateRunName(f"a run named '{config.name}' already exists (created {created}) with a different "
                                "config; choose another name")
+
+
+def record_rejected_run(s: Session, *, workflow_id: str, config: Any, reason: str) -> str:
+    """Give a run whose config failed validation its row (status failed, the config as given), so
+    that SQL sees every run that was started. Its id is the config's name when that is a valid,
+    unused run name, else one made from the workflow id. Idempotent; returns the id."""
+    existing = s.scalar(sa.select(Run.id).where(Run.workflow_id == workflow_id))
+    if existing is not None:
+        return existing
+    raw = config if isinstance(config, dict) else {"given": repr(config)[:2000]}
+    digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
+    name = raw.get("name")
+    candidates = [name] if isinstance(name, str) and re.fullmatch(RUN_NAME_PATTERN, name) else []
+    candidates += [_slug(workflow_id), f"{_slug(workflow_id)[:54]}-{digest[:8]}"]
+    for run_id in candidates:
+        inserted = s.execute(insert(Run).values(id=run_id, workflow_id=workflow_id, mode="async", config=raw,
+                                                config_sha256=digest, status="failed", status_reason=reason,
+                                                finished_at=sa.func.now())
+                             .on_conflict_do_nothing(index_elements=[Run.id]).returning(Run.id)).scalar()
+        if inserted is not None:
+            return run_id
+    raise DuplicateRunName(f"runs {candidates} all exist; the rejected run of workflow {workflow_id} has no row")
+
+
+def _slug(workflow_id: str) -> str:
+    """A valid run id made from a workflow id (lowercase; other characters become '-')."""
+    slug = re.sub(r"[^a-z0-9_.-]", "-", workflow_id.lower()).lstrip("_.-")[:63]
+    return slug or "run"
 
 
 def load_run_config(s: Session, run_id: str) -> RunConfig:
