@@ -13,11 +13,14 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.dialects.postgresql import insert
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
+from rlpipe.activities.outages import unreachable_service
 from rlpipe.observe.metrics import METRICS
 from rlpipe.schemas.tables import ActivitySpan
 from rlpipe.storage.db import Database
 from rlpipe.storage.runs import record_failure
+from rlpipe.workflows.policies import OUTAGE
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -27,7 +30,8 @@ WORKER = f"{socket.gethostname()}:{os.getpid()}"
 def instrumented(box: str, kind: str) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """Decorate an async activity method (of a class with `self.db`): the `box` counts as busy
     while it runs, its span is logged in `activity_spans` (the pipeline's timeline), and any
-    exception is written to `failures` as `kind`, with the attempt number, before Temporal retries."""
+    exception is written to `failures` as `kind`, with the attempt number, before Temporal retries.
+    An error that says a service is unreachable is raised again as an `OUTAGE` error."""
 
     def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         @functools.wraps(fn)
@@ -45,6 +49,10 @@ def instrumented(box: str, kind: str) -> Callable[[Callable[P, Awaitable[R]]], C
             except Exception as exc:
                 METRICS.observe_failure(kind, activity.info().activity_type)
                 await asyncio.to_thread(_record_failure, owner.db, kind, run_id, exc)
+                service = unreachable_service(exc)
+                if service is not None:  # the workflow waits the outage out (workflows/policies.py)
+                    raise ApplicationError(f"{service} unreachable: {type(exc).__name__}: {exc}", type=OUTAGE) \
+                        from exc
                 raise
             finally:
                 await asyncio.to_thread(_record_span, owner.db, box, run_id, ok, started)

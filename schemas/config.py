@@ -67,6 +67,10 @@ class RolloutConfig(Strict):
     grade_timeout_s: float = Field(120.0, gt=0)
     """Limit of grading one group."""
     grade_attempts: int = Field(3, ge=1)
+    outage_budget_s: float = Field(900.0, gt=0)
+    """How long a model call, tool call or grading waits out an unreachable database, object store
+    or inference server (retrying with backoff up to 30 s apart) before its sample or group fails.
+    Apart from `*_attempts`, which count only the task's own errors."""
     group_deadline_s: float | None = Field(None, gt=0)
     """Wall-clock limit of a whole group; None waits for every sample."""
     straggler_policy: Literal["drop", "partial"] = "drop"

@@ -78,6 +78,8 @@ class RunState:
     last_group_failure: str | None = None
     close_reason: str | None = None
     """Why the run failed or was cancelled (phase "failed" / "cancelled")."""
+    evals_due: list[int] = field(default_factory=list)
+    """Published versions to evaluate on the first server that verifies them."""
     """Why the latest failed or dropped group ended so (e.g. the inference server is unreachable)."""
 
 
@@ -164,6 +166,7 @@ class GroupInput:
     tool_attempts: int
     grade_timeout_s: float
     grade_attempts: int
+    outage_budget_s: float = 900.0
 
 
 @dataclass

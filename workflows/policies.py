@@ -17,6 +17,12 @@ from temporalio.common import RetryPolicy
 NON_RETRYABLE = ["InvalidGrade", "UnparsableJudgeOutput", "JudgeRequestRefused", "ConfigError", "ContextTooLong",
                  "DigestMismatch", "DuplicateRunName"]
 
+OUTAGE = "ServiceOutage"
+"""The error type of an activity that failed because a service (database, object store, inference
+server) was unreachable (activities/outages.py). Bookkeeping retries it like any error, forever; a
+task call (model, tool, grading) leaves it to the workflow, which waits the outage out for up to
+the run's outage budget without spending the task's own attempts (`calls.execute_through_outages`)."""
+
 
 class ActivityOptions(TypedDict, total=False):
     """The options of `workflow.execute_activity` that this module chooses (timeouts, retries)."""
@@ -27,11 +33,13 @@ class ActivityOptions(TypedDict, total=False):
     retry_policy: RetryPolicy
 
 
-def retry(attempts: int, first_s: float = 1.0, max_s: float = 30.0) -> RetryPolicy:
-    """`attempts` tries (0 = unlimited) with exponential backoff from `first_s` to `max_s`."""
+def retry(attempts: int, first_s: float = 1.0, max_s: float = 30.0, *,
+          outages_to_workflow: bool = False) -> RetryPolicy:
+    """`attempts` tries (0 = unlimited) with exponential backoff from `first_s` to `max_s`;
+    `outages_to_workflow`: an outage is not retried here but handed to the calling workflow."""
     return RetryPolicy(initial_interval=timedelta(seconds=first_s), backoff_coefficient=2.0,
                        maximum_interval=timedelta(seconds=max_s), maximum_attempts=attempts,
-                       non_retryable_error_types=NON_RETRYABLE)
+                       non_retryable_error_types=NON_RETRYABLE + [OUTAGE] if outages_to_workflow else NON_RETRYABLE)
 
 
 BOOKKEEPING: ActivityOptions = {"start_to_close_timeout": timedelta(seconds=20), "retry_policy": retry(0, max_s=10)}
@@ -44,7 +52,8 @@ TRAIN: ActivityOptions = {"start_to_close_timeout": timedelta(hours=2), "heartbe
 
 
 EVALUATE: ActivityOptions = {"start_to_close_timeout": timedelta(minutes=30),
-                             "heartbeat_timeout": timedelta(seconds=60), "retry_policy": retry(3, first_s=2)}
+                             "heartbeat_timeout": timedelta(seconds=60),
+                             "retry_policy": retry(3, first_s=2, outages_to_workflow=True)}
 """A held-out evaluation: a few hundred greedy episodes through one server."""
 
 
@@ -65,13 +74,14 @@ retried elsewhere 15 s later, while groups wait on them."""
 
 def generate_options(timeout_s: float, attempts: int) -> ActivityOptions:
     return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": GENERATE_HEARTBEAT,
-            "retry_policy": retry(attempts)}
+            "retry_policy": retry(attempts, outages_to_workflow=True)}
 
 
 def tool_options(timeout_s: float, attempts: int) -> ActivityOptions:
-    return {"start_to_close_timeout": timedelta(seconds=timeout_s), "retry_policy": retry(attempts)}
+    return {"start_to_close_timeout": timedelta(seconds=timeout_s),
+            "retry_policy": retry(attempts, outages_to_workflow=True)}
 
 
 def grade_options(timeout_s: float, attempts: int) -> ActivityOptions:
     return {"start_to_close_timeout": timedelta(seconds=timeout_s), "heartbeat_timeout": timedelta(seconds=60),
-            "retry_policy": retry(attempts)}
+            "retry_policy": retry(attempts, outages_to_workflow=True)}

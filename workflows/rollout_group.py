@@ -30,7 +30,7 @@ with workflow.unsafe.imports_passed_through():
         StartGroupInput,
         ToolInput,
     )
-    from rlpipe.workflows.calls import execute
+    from rlpipe.workflows.calls import Outages, execute, execute_through_outages
     from rlpipe.workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
 
 GROUP_FINISHED_SIGNAL = "group_finished"
@@ -43,9 +43,11 @@ class RolloutGroupWorkflow:
         self.finished: list[int] = []  # sample indices, in the order they finished
         self.failed: dict[int, str] = {}  # sample index -> why
         self.samples: list[asyncio.Task[None]] = []
+        self.outages = Outages(budget_s=0.0)  # the run's budget, set in `run`
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupSummary:
+        self.outages.budget_s = inp.outage_budget_s
         try:
             started = await execute(
                 act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
@@ -95,13 +97,16 @@ class RolloutGroupWorkflow:
         rewards: list[float] = []
         if status == "completed":
             try:
-                graded = await execute(
+                graded = await execute_through_outages(
                     act.GRADE_GROUP, GradeGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept]),
-                    **grade_options(inp.grade_timeout_s, inp.grade_attempts))
+                    self.outages, **grade_options(inp.grade_timeout_s, inp.grade_attempts))
                 rewards = graded.rewards
             except ActivityError as err:
                 status, reason = "failed", f"grading failed: {_cause(err)}"
 
+        if self.outages.waited:  # the database is back (or was never down): say what was waited out
+            await self._record(inp, "outage", f"{len(self.outages.waited)} call(s) failed while a service was "
+                                              "unreachable and were run again", {"tries": self.outages.waited[-50:]})
         return await execute(
             act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [ids[i] for i in kept] if rewards else [],
                                                rewards, left_out if rewards else ids, status, reason),
@@ -119,11 +124,11 @@ class RolloutGroupWorkflow:
         """One episode: model turns and the tool calls they make, until the episode is done."""
         try:
             for turn in range(inp.max_turns):
-                generated = await execute(
-                    act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, inp.server),
+                generated = await execute_through_outages(
+                    act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, inp.server), self.outages,
                     **generate_options(inp.generate_timeout_s, inp.generate_attempts))
-                calls = [execute(
-                    act.RUN_TOOL, ToolInput(inp.run_id, trajectory_id, turn, call),
+                calls = [execute_through_outages(
+                    act.RUN_TOOL, ToolInput(inp.run_id, trajectory_id, turn, call), self.outages,
                     **tool_options(inp.tool_timeout_s, inp.tool_attempts))
                     for call in range(generated.n_tool_calls)]
                 await asyncio.gather(*calls)
@@ -133,10 +138,10 @@ class RolloutGroupWorkflow:
         except ActivityError as err:
             self.failed[index] = _cause(err)
 
-    async def _record(self, inp: GroupInput, kind: str, message: str) -> None:
+    async def _record(self, inp: GroupInput, kind: str, message: str, details: dict[str, object] | None = None) -> None:
         await execute(
             act.RECORD_FAILURE, FailureRecord(inp.run_id, kind, message, workflow_id=workflow.info().workflow_id,
-                                              activity_id=f"group-{inp.group_index}"),
+                                              activity_id=f"group-{inp.group_index}-{kind}", details=details or {}),
             **BOOKKEEPING)
 
 

@@ -44,12 +44,11 @@ with workflow.unsafe.imports_passed_through():
         ScheduleUpdate,
         ServerState,
         SyncInput,
-        SyncResult,
         TrainStepInput,
         sync_queue,
     )
     from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server
-    from rlpipe.workflows.calls import execute
+    from rlpipe.workflows.calls import Outages, execute, execute_through_outages
     from rlpipe.workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
     from rlpipe.workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
 
@@ -70,7 +69,7 @@ class TrainingRunWorkflow:
         self.config = RunConfig()
         self.state = carried if carried is not None else RunState()
         self.stopping = False
-        self.sync_task: asyncio.Task[None] | None = None
+        self.syncing: dict[str, asyncio.Task[None]] = {}  # server -> its catch-up loop (`_keep_in_sync`)
         self.pauses_on_failures = False
 
     # -- the run ------------------------------------------------------------------------------------
@@ -96,12 +95,12 @@ class TrainingRunWorkflow:
                 await workflow.wait_condition(lambda: self._can_train() or self._should_continue_as_new())
                 if self._should_continue_as_new() and not self._can_train():
                     await self._stop_launcher(launcher)
-                    await self._await_sync()
+                    await self._await_syncs()
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     workflow.continue_as_new(args=[config, self.state])
                 await self._train_step()
             await self._stop_launcher(launcher)
-            await self._await_sync()
+            await self._await_syncs()
         except (asyncio.CancelledError, FailureError) as err:
             # a cancel reaches `run` as CancelledError, or as ActivityError while it awaits an activity;
             # any other FailureError fails the run: Postgres then says why, as the workflow's failure does
@@ -133,11 +132,13 @@ class TrainingRunWorkflow:
         self._set_phase("publishing base policy")
         base = await execute(act.INIT_POLICY, InitPolicyInput(cfg.name), **TRAIN)
         self.state.version, self.state.version_steps = base.version, [base.trained_steps]
-        await self._sync(base.version)
+        self._set_phase(f"syncing v{base.version}")
+        self._publish(base.version, evaluate=True)  # the baseline, evaluated before any rollout starts
+        await workflow.wait_condition(lambda: (bool(self.state.server_versions) and
+                                               base.version not in self.state.evals_due) or not self._syncing())
         if not self.state.server_versions:
             raise ApplicationError("no inference server could load the base policy (see sync_events/failures)",
                                    non_retryable=True)
-        await self._evaluate(base.version)  # the baseline, before any rollout can move the weights
         self._set_phase("running")
 
     # -- rollouts -----------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ class TrainingRunWorkflow:
             group_deadline_s=r.group_deadline_s, straggler_policy=r.straggler_policy,
             min_partial_samples=r.min_partial_samples, generate_timeout_s=r.generate_timeout_s,
             generate_attempts=r.generate_attempts, tool_timeout_s=r.tool_timeout_s, tool_attempts=r.tool_attempts,
-            grade_timeout_s=r.grade_timeout_s, grade_attempts=r.grade_attempts)
+            grade_timeout_s=r.grade_timeout_s, grade_attempts=r.grade_attempts, outage_budget_s=r.outage_budget_s)
 
     def _max_turns(self) -> int:
         # the environment's own default applies when the config leaves it unset (activities resolve it);
@@ -265,59 +266,77 @@ class TrainingRunWorkflow:
         if summary.published is not None:
             s.version = summary.published.version
             s.version_steps.append(summary.published.trained_steps)
-            await self._await_sync()  # syncs (and the evaluations after them) happen in version order
-            self.sync_task = asyncio.create_task(self._sync_and_evaluate(summary.published.version, step))
+            every = cfg.eval.every_versions
+            self._publish(s.version, evaluate=step == cfg.steps or (every is not None and s.version % every == 0))
         self._set_phase("running")
         self._publish_attributes()
 
-    async def _sync(self, version: int) -> None:
-        """Load `version` into every server in parallel; a server that fails keeps its old version."""
-        self._set_phase(f"syncing v{version}")
-        calls = [execute(act.SYNC_WEIGHTS, SyncInput(self.config.name, version), task_queue=sync_queue(server),
-                         **sync_options(self.config.sync.timeout_s))
-                 for server in self.state.servers]
-        for server, outcome in zip(self.state.servers, await asyncio.gather(*calls, return_exceptions=True),
-                                   strict=True):
-            if isinstance(outcome, SyncResult) and outcome.status == "ok":
-                self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
-            else:
-                why = outcome.error if isinstance(outcome, SyncResult) else _describe(outcome)
-                await execute(
-                    act.RECORD_FAILURE, FailureRecord(self.config.name, "sync",
-                                                      f"server {server} did not take version {version}: {why}",
-                                                      workflow_id=workflow.info().workflow_id,
-                                                      activity_id=f"sync-{server}-v{version}"),
-                    **BOOKKEEPING)
-        self._publish_attributes()
+    def _publish(self, version: int, *, evaluate: bool) -> None:
+        """Bring every server to the newly published `version`, each server on its own: a server's
+        version counts (for routing and evaluation) as soon as it verifies it, and a server that is
+        down or slow holds back neither the trainer nor the other servers."""
+        if evaluate and self.config.eval.prompts:
+            self.state.evals_due.append(version)
+        for server in self.state.servers:
+            if server not in self.syncing or self.syncing[server].done():
+                self.syncing[server] = asyncio.create_task(self._keep_in_sync(server))
 
-    async def _sync_and_evaluate(self, version: int, step: int) -> None:
-        await self._sync(version)
-        every = self.config.eval.every_versions
-        if step == self.config.steps or (every is not None and version % every == 0):
-            await self._evaluate(version)
+    def _syncing(self) -> bool:
+        return any(not task.done() for task in self.syncing.values())
 
-    async def _evaluate(self, version: int) -> None:
-        """Held-out accuracy of `version` on a server that holds it. Awaited before the next sync,
-        so the server cannot change weights under the evaluation."""
-        holders = sorted(name for name, v in self.state.server_versions.items() if v == version)
-        if not self.config.eval.prompts or not holders:
-            return
-        self._set_phase(f"evaluating v{version}")
+    async def _keep_in_sync(self, server: str) -> None:
+        """Load the newest version into `server` until it holds it (a version published meanwhile
+        is the next load, skipping those in between); the first server to verify a version due for
+        evaluation evaluates it before it loads another. A failed load (retried for sync.timeout_s)
+        ends the loop: the next publish starts it again, and the server's sidecar restores the
+        newest version when the server comes back."""
+        while (version := self.state.version) > self.state.server_versions.get(server, -1):
+            if not await self._load(server, version):
+                return
+            if version in self.state.evals_due:
+                self.state.evals_due.remove(version)
+                await self._evaluate(version, server)
+
+    async def _load(self, server: str, version: int) -> bool:
+        """Sync `version` into `server`; True once the server verifiably holds it."""
         try:
-            result = await execute(act.EVALUATE, EvalInput(self.config.name, version, holders[0]), **EVALUATE)
+            outcome = await execute(act.SYNC_WEIGHTS, SyncInput(self.config.name, version),
+                                    task_queue=sync_queue(server), **sync_options(self.config.sync.timeout_s))
+            why = outcome.error
+        except ActivityError as err:
+            outcome, why = None, _describe(err)
+        if outcome is not None and outcome.status == "ok":
+            self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
+            self._publish_attributes()
+            return True
+        await self._record("sync", f"server {server} did not take version {version}: {why}",
+                           f"sync-{server}-v{version}")
+        return False
+
+    async def _evaluate(self, version: int, server: str) -> None:
+        """Held-out accuracy of `version` on `server`, which holds it and loads nothing else until
+        the evaluation ends (it runs inside the server's sync loop)."""
+        self._set_phase(f"evaluating v{version}")
+        outages = Outages(self.config.rollout.outage_budget_s)
+        try:
+            result = await execute_through_outages(act.EVALUATE, EvalInput(self.config.name, version, server),
+                                                   outages, **EVALUATE)
             self.state.evals.append(result)
         except ActivityError as err:  # an evaluation is worth having, not worth stopping the run for
-            await execute(
-                act.RECORD_FAILURE, FailureRecord(self.config.name, "eval", f"evaluation of v{version} failed: "
-                                                  f"{_describe(err)}", workflow_id=workflow.info().workflow_id,
-                                                  activity_id=f"eval-v{version}"),
-                **BOOKKEEPING)
+            await self._record("eval", f"evaluation of v{version} failed: {_describe(err)}", f"eval-v{version}")
+        if outages.waited:
+            await self._record("outage", f"evaluation of v{version}: {len(outages.waited)} call(s) failed while a "
+                                         "service was unreachable and were run again", f"eval-v{version}-outage",
+                               {"tries": outages.waited[-50:]})
         self._set_phase("running")
 
-    async def _await_sync(self) -> None:
-        if self.sync_task is not None:
-            await self.sync_task
-            self.sync_task = None
+    async def _await_syncs(self) -> None:
+        """Wait until every server's sync loop has ended; a version due for evaluation that no
+        server took then never will be (servers load only the newest)."""
+        await workflow.wait_condition(lambda: not self._syncing())
+        for version in self.state.evals_due:
+            await self._record("eval", f"v{version} was not evaluated: no server took it", f"eval-v{version}")
+        self.state.evals_due.clear()
 
     async def _stop_launcher(self, launcher: asyncio.Task[None]) -> None:
         self.stopping = True
@@ -396,6 +415,14 @@ class TrainingRunWorkflow:
         self.state.paused, self.state.pause_reason = True, reason
         self._set_phase("paused")
         await self._set_status("paused", reason)
+
+    async def _record(self, kind: str, message: str, activity_id: str,
+                      details: dict[str, object] | None = None) -> None:
+        """Add to the run's failure log (`failures`)."""
+        await execute(act.RECORD_FAILURE, FailureRecord(self.config.name, kind, message,
+                                                        workflow_id=workflow.info().workflow_id,
+                                                        activity_id=activity_id, details=details or {}),
+                      **BOOKKEEPING)
 
     def _close(self, status: str, reason: str) -> None:
         """What the status query says of a run that failed or was cancelled (no command: replays

@@ -63,6 +63,7 @@ from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import DuplicateRunName, register_run
 from rlpipe.weights.checkpoints import manifest_key
+from rlpipe.workflows.policies import OUTAGE
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
 from tests.integration.test_grader_box import one_turn_group
 from tests.waiting import run_result
@@ -137,8 +138,8 @@ class OutageRun:
     counts_while_paused: dict[str, int]
     s3_failure: str
     marker: Marker
-    retried_attempts: list[str]
-    """last_failure of every rollout activity that was retried (groups never touch S3)."""
+    outage_failures: list[str]
+    """the failures of rollout activities that met an outage (groups never touch S3)."""
 
 
 @pytest.fixture(scope="module")
@@ -182,18 +183,23 @@ async def outage_run(stack: Stack, temporal_client: Client, pipeline_workers, mi
     await run_result(handles[0], RUN_TIMEOUT_S)
     groups = [g.workflow_id for g in rows(migrated_db, "select workflow_id from rollout_groups where run_id = :r",
                                           r=name)]
-    retried = [m for wf in groups for m in await retried_attempts(temporal_client, wf)]
+    met = [m for wf in groups for m in await outage_failures(temporal_client, wf)]
     return OutageRun(cfg, handles, refused, schedule_cli, status_after_refusals, counts_while_paused,
-                     s3_failure[0].message, marker, retried)
+                     s3_failure[0].message, marker, met)
 
 
-async def retried_attempts(client: Client, workflow_id: str) -> list[str]:
-    """The last failure of each activity that needed more than one attempt (Temporal records the
-    attempt count and the previous attempt's failure on the started event)."""
+async def outage_failures(client: Client, workflow_id: str) -> list[str]:
+    """What the group's activities met during the outage: a rollout call hands an outage to its
+    workflow, which runs it again (a failed activity of type ServiceOutage); a bookkeeping call is
+    retried by Temporal (a started event with attempt > 1 and the previous attempt's failure)."""
     history = await client.get_workflow_handle(workflow_id).fetch_history()
-    return [e.activity_task_started_event_attributes.last_failure.message for e in history.events
-            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
-            and e.activity_task_started_event_attributes.attempt > 1]
+    handed_back = [e.activity_task_failed_event_attributes.failure for e in history.events
+                   if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED]
+    retried = [e.activity_task_started_event_attributes.last_failure for e in history.events
+               if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+               and e.activity_task_started_event_attributes.attempt > 1]
+    return [f.message for f in handed_back if f.application_failure_info.type == OUTAGE] + \
+        [f.message for f in retried]
 
 
 def assert_nothing_lost(db: Database, store: ObjectStore, run: OutageRun) -> None:
@@ -256,8 +262,11 @@ def test_postgres_outage_is_retried_then_the_run_finishes_with_nothing_lost(
         outage_run: OutageRun, migrated_db: Database, object_store: ObjectStore, pipeline_workers) -> None:  # type: ignore[no-untyped-def]
     # the server keeps only the last failure of a retried activity, and replaces one over its size
     # limit (a psycopg traceback) by a note: the retries themselves are the evidence
-    assert outage_run.retried_attempts, "no rollout activity was retried across the Postgres outage"
+    assert outage_run.outage_failures, "no rollout activity met the Postgres outage"
     assert_nothing_lost(migrated_db, object_store, outage_run)
+    failed = rows(migrated_db, "select group_index, status_reason from rollout_groups where run_id = :r "
+                               "and status = 'failed'", r=outage_run.cfg.name)
+    assert failed == [], "a group failed because the database was down"
     assert all(record.is_running() for record in pipeline_workers.table.load().values()), "a worker died"
 
 
@@ -378,7 +387,9 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
         inference_servers: list[str]) -> None:
     # one step: no sync runs while the groups generate, so a running `generate` activity is on the
     # server (a completion sampled during a sync's verification waits off the server for its verdict)
-    cfg = tiny_config(tiny_model, steps=1, eval={"prompts": 4}, rollout={"generate_attempts": 2})
+    # a short outage budget: the groups on the server give up while it is down (the default waits 15 min)
+    cfg = tiny_config(tiny_model, steps=1, eval={"prompts": 4}, rollout={"generate_attempts": 2,
+                                                                         "outage_budget_s": 3})
     handle = await start_run(temporal_client, cfg)
     record = stack.table.get("inference-0")
     assert record is not None
@@ -398,14 +409,12 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
         status.last_group_failure, status.last_group_failure
     await run_result(handle, RUN_TIMEOUT_S)  # the sidecar reloads the server; the run goes on
     assert_audit_trail(migrated_db, cfg)
-    # some model call failed twice: its first try lost its answer as the server died (or found it
-    # gone), its retry could not connect
-    failures = rows(migrated_db, "select workflow_id, activity_id, attempt, error_type from failures "
-                                 "where run_id = :r and activity = 'generate'", r=cfg.name)
-    tries: dict[tuple[str, str], dict[int, str]] = {}
-    for f in failures:
-        tries.setdefault((f.workflow_id, f.activity_id), {})[f.attempt] = f.error_type
-    assert any({1, 2} <= set(call) and call[2] == "ServerUnavailableError" for call in tries.values()), failures
+    # model calls that could not connect were run again by their group (an outage, not the call's
+    # own error), and the group recorded what it waited out
+    failures = rows(migrated_db, "select kind, error_type, message from failures where run_id = :r "
+                                 "and (activity = 'generate' or kind = 'outage')", r=cfg.name)
+    assert any(f.error_type == "ServerUnavailableError" for f in failures), failures
+    assert any(f.kind == "outage" and f.message.endswith("were run again") for f in failures), failures
 
 
 async def frozen_with_model_calls_on_it(client: Client, run_workflow_id: str, server_pid: int) -> bool:

@@ -56,6 +56,7 @@ from rlpipe.schemas.payloads import (
     TrainStepInput,
     sync_queue,
 )
+from rlpipe.workflows.policies import OUTAGE
 from rlpipe.workflows.rollout_group import RUN_CANCELLED
 
 
@@ -82,6 +83,8 @@ class FakeBooks:
     """While set, the environment cannot produce tasks: the run's check fails with it."""
     group_start_error: str | None = None
     """While set, starting a group fails with it (a task the environment cannot draw)."""
+    tool_outages: int = 0
+    """Tool calls that fail first because the database is unreachable (an outage), one after another."""
     rejected: list[RejectedRun] = field(default_factory=list)
     cancelled_groups: list[int] = field(default_factory=list)
     """Groups whose workflow was cancelled and closed their books (status dropped)."""
@@ -135,6 +138,9 @@ class FakeBooks:
 
         @activity.defn(name=RUN_TOOL.name)
         async def run_tool(inp: ToolInput) -> ToolResult:
+            if books.tool_outages > 0:
+                books.tool_outages -= 1
+                raise ApplicationError("database unreachable: OperationalError: connection refused", type=OUTAGE)
             return ToolResult("ok", 0.0)
 
         @activity.defn(name=GRADE_GROUP.name)

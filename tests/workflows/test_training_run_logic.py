@@ -333,3 +333,31 @@ async def test_a_run_started_under_another_id_is_found_by_its_name(temporal_clie
                 await asyncio.sleep(0.1)
         status = await run_status(temporal_client, cfg.name)
     assert found.id == workflow_id and status.run == cfg.name and status.step == 2
+
+
+async def test_an_outage_is_waited_out_without_spending_the_tasks_attempts(temporal_client: Client) -> None:
+    books = FakeBooks(tool_turns=1, tool_outages=4)  # four failures in a row, against one attempt per call
+    cfg = config(steps=1, rollout={"group_size": 2, "groups_per_step": 1, "max_concurrent_groups": 1,
+                                   "tool_attempts": 1})
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        result = await finished(handle)
+    assert result.groups_failed == 0 and books.tool_outages == 0
+    [outage] = [f for f in books.failures if f.kind == "outage"]
+    assert outage.message.startswith("4 call(s) failed while a service was unreachable"), outage.message
+    tries = outage.details["tries"]
+    assert isinstance(tries, list) and len(tries) == 4 and all("database unreachable" in t for t in tries)
+
+
+async def test_an_outage_longer_than_the_budget_fails_the_sample_saying_why(temporal_client: Client) -> None:
+    books = FakeBooks(tool_turns=1, tool_outages=10**6)  # the database never comes back
+    cfg = config(rollout={"group_size": 2, "groups_per_step": 1, "max_concurrent_groups": 1,
+                          "pause_after_failed_groups": 1, "outage_budget_s": 2.5})
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        try:
+            with pytest.raises(RunStalled, match="database unreachable"):
+                await run_result(handle, timeout_s=RESULT_TIMEOUT_S, poll_s=0.1)
+        finally:
+            await handle.cancel()
+    assert any(f.kind == "outage" for f in books.failures)
