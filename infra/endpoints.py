@@ -10,8 +10,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 from rlpipe.infra.settings import StackSettings
+
+START_THE_STACK = ("start it with `rlpipe stack up` (or set DATABASE_URL, S3_ENDPOINT_URL and TEMPORAL_ADDRESS "
+                   "to point at your own services)")
+
+
+class StackNotRunning(RuntimeError):
+    """The local stack was never started in this state directory and no address replaces it."""
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,15 @@ def resolve_endpoints(settings: StackSettings) -> Endpoints:
     if settings.external_database_url is not None:
         database_url = normalise_database_url(settings.external_database_url)
     else:
-        database_url = PostgresService(settings).database_url()
+        postgres = PostgresService(settings)
+        _require_started(postgres.password_file)
+        database_url = postgres.database_url()
     if settings.external_s3_endpoint is not None:
         key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     else:
-        key, secret = SeaweedService(settings).credentials()
+        seaweed = SeaweedService(settings)
+        _require_started(seaweed.credentials_file)
+        key, secret = seaweed.credentials()
     return Endpoints(
         temporal_address=settings.temporal_address,
         temporal_namespace=settings.temporal_namespace,
@@ -52,6 +64,13 @@ def resolve_endpoints(settings: StackSettings) -> Endpoints:
         inference_urls=settings.inference_urls(),
         temporal_ui_url=settings.temporal_ui_url,
     )
+
+
+def _require_started(secret: Path) -> None:
+    """The local stack writes its services' secrets when it first starts them: without one, that
+    service was never started here (another RLPIPE_HOME, or no `rlpipe stack up` yet)."""
+    if not secret.exists():
+        raise StackNotRunning(f"the stack is not running ({secret} does not exist): {START_THE_STACK}")
 
 
 def database_url(url: str | None = None) -> str:
@@ -67,6 +86,14 @@ def normalise_database_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix):]
     return url
+
+
+def libpq_url(url: str) -> str:
+    """`url` without SQLAlchemy's driver name, as psql and other libpq clients take it (they reject
+    `postgresql+psycopg://`); `normalise_database_url` turns it back."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(normalise_database_url(url)).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def redact(url: str) -> str:

@@ -16,6 +16,7 @@ SERVED_MODEL_NAME = "policy"
 class InferenceService(Service):
     startup_timeout_s = 420.0  # SmolLM2 on 2 busy cores can take minutes
     stop_timeout_s = 20.0
+    reap_orphans = True  # a SIGKILLed API server leaves its engine core running (~2.4 GB)
 
     def __init__(self, settings: StackSettings, index: int) -> None:
         super().__init__(settings)

@@ -1,9 +1,15 @@
 """Start, find and stop the background processes of the local stack and its workers.
 
-Each process is started in its own session (so a terminal's Ctrl-C does not reach it and
-`down` can stop its whole process group), with stdout/stderr in a log file, and recorded in a
-JSON file: pid, start time, command and log. The start time guards against pid reuse: a record
-whose pid now belongs to another process counts as stopped, so `down` never kills a stranger.
+Each process is started in its own session (so a terminal's Ctrl-C does not reach it), with
+stdout/stderr in a log file, and recorded in a JSON file: pid, start time, command and log. The
+start time guards against pid reuse: a record whose pid now belongs to another process counts as
+stopped, so `down` never kills a stranger.
+
+A server's process tree is its session: whatever the server starts stays in it (unless it starts a
+session of its own), also after the server is gone: vLLM's engine core outlives a killed API
+server. So `stop` and `kill` end the whole session, whether its leader is alive or not, and
+`ProcessRecord.strays` names what outlived a dead leader. A server whose children outlive it is
+started under a reaper (session_reaper.py) that ends the session as soon as the server exits.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,6 +26,9 @@ from pathlib import Path
 from typing import TypedDict
 
 import psutil
+
+REAPER = [sys.executable, "-P", "-m", "rlpipe.infra.session_reaper"]
+"""The command that runs the command after it under a session reaper (session_reaper.py)."""
 
 
 @dataclass
@@ -34,11 +44,7 @@ class ProcessRecord:
         """The live process this record describes, or None if it has exited."""
         try:
             proc = psutil.Process(self.pid)
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            # psutil derives create_time from the boot time, which moves when the clock is
-            # stepped (seen: 11 s on a VM): a same-pid process with our argv is still ours
-            if abs(proc.create_time() - self.started_at) > 1.0 and proc.cmdline() != self.argv:
+            if proc.status() == psutil.STATUS_ZOMBIE or not self._describes(proc):
                 return None
             return proc
         except psutil.Error:
@@ -46,6 +52,49 @@ class ProcessRecord:
 
     def is_running(self) -> bool:
         return self.process() is not None
+
+    def session(self) -> list[psutil.Process]:
+        """Every live process of the session `spawn` started for this record, the leader's included.
+
+        Found by session id, so that children which outlived the leader are found too. Linux keeps
+        a pid from reuse while any process has it as its session id: while one member of ours
+        lives, no stranger can hold `pid`, so a stranger holding it means our session is over."""
+        try:
+            if not self._describes(psutil.Process(self.pid)):
+                return []
+        except psutil.NoSuchProcess:
+            pass  # the leader has exited and been reaped; members may live on
+        except psutil.AccessDenied:
+            return []  # not ours to judge, so not ours to signal
+        return session_processes(self.pid)
+
+    def strays(self) -> list[psutil.Process]:
+        """The processes of the session that outlived its leader (none while the leader runs):
+        memory and devices held for a server that is gone."""
+        return [] if self.is_running() else self.session()
+
+    def _describes(self, proc: psutil.Process) -> bool:
+        """Whether `proc` (running or a zombie) is this record's process, not a later one with its pid."""
+        # psutil derives create_time from the boot time, which moves when the clock is stepped
+        # (seen: 11 s on a VM): a same-pid process with our argv is still ours
+        if abs(proc.create_time() - self.started_at) <= 1.0:
+            return True
+        try:
+            return proc.cmdline() == self.argv
+        except psutil.ZombieProcess:
+            return False
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The live processes of session `sid` (zombies left out: they hold nothing but their pid)."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (OSError, psutil.Error):
+            continue  # it exited meanwhile
+    return members
 
 
 class ProcessTable:
@@ -87,14 +136,17 @@ def spawn(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     user: str | None = None,
+    reap_orphans: bool = False,
 ) -> ProcessRecord:
-    """Start `argv` detached in a new session, appending its output to `log`."""
+    """Start `argv` detached in a new session, appending its output to `log`. `reap_orphans`
+    starts it under a reaper that ends the session when it exits (session_reaper.py); the record
+    still names `argv`'s own process, which the reaper execs in place."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}: {' '.join(argv)}\n".encode())
         out.flush()
         proc = subprocess.Popen(
-            argv,
+            [*REAPER, *argv] if reap_orphans else argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -127,44 +179,59 @@ def as_user(user: str | None) -> ChildIdentity:
 
 
 def stop(record: ProcessRecord, timeout_s: float = 20.0, sig: signal.Signals = signal.SIGTERM) -> bool:
-    """Send `sig` to the record's process group, then SIGKILL what is left after `timeout_s`.
-    Returns False if the process was already gone."""
-    proc = record.process()
-    if proc is None:
+    """Send `sig` to the record's session, then SIGKILL what is left of its tree after `timeout_s`.
+
+    The leader need not be alive: what outlived it is stopped the same way. The leader's
+    descendants that started sessions of their own (Postgres backends) get no signal, since the
+    leader stops them, but are waited for and killed with the rest. Returns False if nothing of
+    the record was running."""
+    session = record.session()
+    if not session:
         return False
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return False
-    members = [proc, *proc.children(recursive=True)]
-    _signal_group(pgid, sig)
-    _, alive = psutil.wait_procs(members, timeout=timeout_s)
+    tree = _with_descendants(record, session)
+    _send(session, sig)
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
     if alive:
-        _signal_group(pgid, signal.SIGKILL)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        _kill([*alive, *record.session()])  # the session again: a member may have forked meanwhile
     return True
 
 
 def kill(record: ProcessRecord) -> bool:
-    """SIGKILL the record's process group at once (used by crash tests)."""
-    proc = record.process()
-    if proc is None:
-        return False
-    _signal_group(os.getpgid(proc.pid), signal.SIGKILL)
-    psutil.wait_procs([proc], timeout=10)
-    return True
+    """SIGKILL the record's process tree at once (used by crash tests); False if none of it ran."""
+    tree = _with_descendants(record, record.session())
+    _kill(tree)
+    return bool(tree)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+def terminate(procs: list[psutil.Process], grace_s: float) -> None:
+    """SIGTERM each process, then SIGKILL those still alive after `grace_s`."""
+    _send(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    _kill(alive)
+
+
+def _with_descendants(record: ProcessRecord, session: list[psutil.Process]) -> list[psutil.Process]:
+    tree = {proc.pid: proc for proc in session}
+    leader = record.process()
+    if leader is not None:
+        try:
+            tree.update((proc.pid, proc) for proc in leader.children(recursive=True))
+        except psutil.Error:
+            pass  # the leader exited meanwhile: its session holds what is left
+    return list(tree.values())
+
+
+def _send(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)  # psutil checks the pid still names the same process
+        except psutil.Error:
+            pass
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    _send(procs, signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=10)
 
 
 def port_holder(host: str, port: int) -> str | None:

@@ -29,6 +29,9 @@ class Service(ABC):
     stop_signal: signal.Signals = signal.SIGTERM
     stop_timeout_s: float = 30.0
     """Grace period after stop_signal before SIGKILL."""
+    reap_orphans: bool = False
+    """Whether the server's children outlive its main process (vLLM's engine core does): it is
+    then started under a reaper that stops them when the main process exits (session_reaper.py)."""
 
     def __init__(self, settings: StackSettings) -> None:
         self.settings = settings

@@ -2,7 +2,10 @@
 
 `up` is idempotent: a service already running (per its record and a health check) is left
 alone; a port held by someone else, a missing binary or a failed health check stops with an
-error naming the service, the port and the log file. `down` stops only what `up` recorded.
+error naming the service, the port and the log file. `down` stops only what `up` recorded,
+each service's whole process tree. A service whose main process died may leave children running
+("strays", see infra/process.py): `status` lists them, `up` stops them before it starts the
+service again, and `down` stops them.
 A service whose address is given from outside (TEMPORAL_ADDRESS, DATABASE_URL,
 S3_ENDPOINT_URL, INFERENCE_URLS) is never started, only checked.
 """
@@ -11,11 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from rlpipe.infra.postgres import PostgresService
-from rlpipe.infra.process import ProcessTable, port_holder, spawn, stop
+from rlpipe.infra.process import ProcessRecord, ProcessTable, port_holder, spawn, stop
 from rlpipe.infra.seaweed import SeaweedService
 from rlpipe.infra.service import HealthError, Service
 from rlpipe.infra.settings import StackSettings, save_settings
@@ -24,6 +29,15 @@ from rlpipe.infra.temporal import TemporalService
 
 class StackError(RuntimeError):
     """A service could not be started or is unhealthy; the message names it, its port and log."""
+
+
+@dataclass(frozen=True)
+class StrayProcess:
+    """A process of a service's session that outlived the service's main process."""
+
+    pid: int
+    command: str
+    rss_bytes: int
 
 
 @dataclass
@@ -35,6 +49,19 @@ class ServiceStatus:
     detail: str
     external: bool
     log: str | None
+    strays: list[StrayProcess] = field(default_factory=list)
+
+
+def stray_processes(record: ProcessRecord) -> list[StrayProcess]:
+    """What outlived the record's main process, described for a person."""
+    found = []
+    for proc in record.strays():
+        try:
+            with proc.oneshot():
+                found.append(StrayProcess(proc.pid, " ".join(proc.cmdline()) or proc.name(), proc.memory_info().rss))
+        except psutil.Error:
+            continue  # it exited meanwhile
+    return found
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -87,6 +114,8 @@ class Stack:
             self._wait_healthy(svc, timeout_s=svc.startup_timeout_s)
             progress(f"{svc.name}: already running (pid {record.pid}) at {svc.address()}")
             return
+        if record is not None:
+            self._stop_strays(svc, record, progress)
         for port in svc.ports():
             holder = port_holder(self.settings.host, port)
             if holder is not None:
@@ -98,7 +127,8 @@ class Stack:
             launch = svc.launch()
         except (FileNotFoundError, HealthError) as exc:
             raise StackError(f"{svc.name}: {exc} (log {svc.log})") from exc
-        record = spawn(svc.name, launch.argv, svc.log, env=launch.env, user=launch.user, cwd=launch.cwd)
+        record = spawn(svc.name, launch.argv, svc.log, env=launch.env, user=launch.user, cwd=launch.cwd,
+                       reap_orphans=svc.reap_orphans)
         self.table.put(record)
         progress(f"{svc.name}: starting (pid {record.pid}, log {svc.log})")
         try:
@@ -109,6 +139,13 @@ class Stack:
             self.table.remove(svc.name)
             raise
         progress(f"{svc.name}: healthy at {svc.address()}")
+
+    def _stop_strays(self, svc: Service, record: ProcessRecord, progress: Callable[[str], None]) -> None:
+        """Stop what the service's previous, dead main process left running (memory, devices)."""
+        strays = record.strays()
+        if strays and stop(record, timeout_s=svc.stop_timeout_s):
+            progress(f"{svc.name}: stopped {len(strays)} stray process(es) of its dead main process "
+                     f"(pid {record.pid}): {', '.join(str(proc.pid) for proc in strays)}")
 
     def _wait_healthy(self, svc: Service, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -145,7 +182,9 @@ class Stack:
         record = self.table.get(svc.name)
         if record is None:
             return
-        if stop(record, timeout_s=svc.stop_timeout_s, sig=svc.stop_signal):
+        if not record.is_running():
+            self._stop_strays(svc, record, progress)
+        elif stop(record, timeout_s=svc.stop_timeout_s, sig=svc.stop_signal):
             progress(f"{svc.name}: stopped (pid {record.pid})")
         self.table.remove(svc.name)
 
@@ -155,7 +194,8 @@ class Stack:
         for svc in self.services():
             record = self.table.get(svc.name)
             running = record is not None and record.is_running()
-            healthy, detail = False, "not running"
+            strays = stray_processes(record) if record is not None else []
+            healthy, detail = False, f"not running; {len(strays)} stray process(es) left" if strays else "not running"
             if running:
                 try:
                     svc.check_health()
@@ -163,7 +203,7 @@ class Stack:
                 except HealthError as exc:
                     detail = f"unhealthy: {exc}"
             rows.append(ServiceStatus(svc.name, svc.address(), record.pid if running and record else None,
-                                      healthy, detail, False, str(svc.log)))
+                                      healthy, detail, False, str(svc.log), strays))
         rows += self._external_status()
         return rows
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rlpipe.registry import names_used, registered_names
 from rlpipe.sandbox.latency import LatencyModel, NoLatency
 from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
 from rlpipe.schemas.task import EnvConfig, GraderConfig
@@ -178,6 +179,22 @@ class RunConfig(Strict):
             raise ValueError(f"loss.temperature ({self.loss.temperature}) differs from sampling.temperature "
                              f"({self.sampling.temperature}): the trainer must score tokens at the temperature "
                              "they were sampled at; set both to the same value")
+        return self
+
+    @model_validator(mode="after")
+    def _rubric_graders_registered(self) -> RunConfig:
+        """With no grader.name the environment's rubric grades: a grader it names that nobody registered
+        must stop the run here, not fail every group later in the grader worker."""
+        rubric = names_used("environment", self.env.name, "grader")
+        known = registered_names("grader")
+        if self.grader.name is not None or rubric is None or known is None:
+            return self
+        missing = [name for name in rubric if name not in known]
+        if missing:
+            raise ValueError(f"env {self.env.name!r} grades with its rubric ({', '.join(rubric)}), but grader(s) "
+                             f"{', '.join(missing)} are not registered (known graders: {', '.join(known)}): register "
+                             "them with rlpipe.graders.registry.register_grader, fix the environment's rubric, "
+                             "or set grader.name")
         return self
 
     @property

@@ -58,7 +58,8 @@ float_values = Annotated[list[float], mapped_column(ARRAY(REAL))]
 RUN_STATUSES = ("running", "paused", "completed", "failed", "cancelled")
 GROUP_STATUSES = ("running", "completed", "dropped", "failed")
 TRAJECTORY_STATUSES = ("generating", "completed", "failed", "discarded")
-SYNC_STATUSES = ("ok", "failed", "rolled_back", "refused")
+SYNC_STATUSES = ("ok", "failed", "rolled_back", "refused", "superseded")
+"""superseded: a retried load found the server already on a newer verified version (storage/syncs.py)."""
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:

@@ -4,6 +4,8 @@ that keeps workflow state, clear errors, and down leaving nothing running."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -12,10 +14,12 @@ import psutil
 import pytest
 from temporalio.client import Client
 
+from rlpipe.infra.inference import InferenceService
+from rlpipe.infra.process import wait_for
 from rlpipe.infra.service import Launch
 from rlpipe.infra.settings import StackSettings
 from rlpipe.infra.stack import Stack, StackError
-from tests.conftest import test_stack_settings
+from tests.conftest import free_port_block, test_stack_settings
 
 pytestmark = pytest.mark.stack
 
@@ -57,15 +61,45 @@ def test_stack_lifecycle(tmp_path: Path) -> None:
         assert not stack.table.get("temporal")
         stack.start(temporal, progress=lambda msg: None)
         assert asyncio.run(workflow_listed(settings.temporal_address, workflow_id))
+        trees = [proc.pid for record in stack.table.load().values() for proc in record.session()]
     finally:
         stack.down(progress=lambda msg: None)
 
     assert stack.table.load() == {}
-    for pid in pids.values():
+    for pid in [*pids.values(), *trees]:  # down leaves nothing of any service's session
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     for port in (settings.temporal_port, settings.postgres_port, settings.s3_port):
         with socket.socket() as sock:
             assert sock.connect_ex((settings.host, port)) != 0, f"port {port} still answers after down"
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.vllm
+def test_a_killed_inference_server_leaves_no_engine_running(tmp_path: Path, tiny_model: Path) -> None:
+    """vLLM's engine core outlived a SIGKILLed API server (~2.4 GB, issue #15): the reaper ends it."""
+    settings = StackSettings(home=tmp_path / "home", inference_servers=1, inference_base_port=free_port_block(1),
+                             inference_model=tiny_model)
+    stack, server = Stack(settings), InferenceService(settings, 0)
+    stack.start(server, progress=lambda msg: None)
+    try:
+        record = stack.table.get(server.name)
+        assert record is not None
+        engine = [proc.pid for proc in psutil.Process(record.pid).children(recursive=True)]
+        assert engine, "vLLM runs its engine core in a child process"
+        os.kill(record.pid, signal.SIGKILL)
+        assert wait_for(lambda: not any(running(pid) for pid in engine), timeout_s=30), "the engine outlived its server"
+        assert wait_for(lambda: record.session() == [], timeout_s=10), f"left: {record.session()}"  # the reaper too
+        [row] = [row for row in stack.status() if row.name == server.name]
+        assert row.detail == "not running" and row.strays == []
+    finally:
+        stack.down(progress=lambda msg: None)
+    assert record.session() == []
 
 
 def test_port_taken_by_a_stranger_names_service_port_and_log(tmp_path: Path) -> None:

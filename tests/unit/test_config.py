@@ -3,15 +3,21 @@ generated from the models kept in step with them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 
 # a config's env.name and grader.name are checked against the registries loaded in the process
-import rlpipe.envs.registry  # noqa: F401
+import rlpipe.envs.registry
 import rlpipe.graders.registry  # noqa: F401
+from rlpipe.cli import main as cli
+from rlpipe.envs.arithmetic import ArithmeticEnv
+from rlpipe.envs.base import Rubric
 from rlpipe.schemas.config import ConfigError, RunConfig, load_run_config, parse_run_config
 from rlpipe.schemas.reference import render
+from rlpipe.workflows.training_run import _validated
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,3 +66,48 @@ def test_configuration_reference_is_current() -> None:
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == render(), \
         "docs/configuration.md is stale: run `python -m rlpipe.schemas.reference > docs/configuration.md`"
+
+
+MISGRADED = ("env 'misgraded' grades with its rubric (answer_match, answer_mtch), but grader(s) answer_mtch are not "
+             "registered (known graders: answer_match, code_tests, final_number, judge)")
+
+
+@pytest.fixture
+def misgraded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An environment whose rubric names a grader nobody registered (a typo), registered for one test."""
+    registry = rlpipe.envs.registry.ENVIRONMENTS
+    monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+
+    class Misgraded(ArithmeticEnv):
+        name = "misgraded"
+        rubric = Rubric({"answer_match": 1.0, "answer_mtch": 1.0})
+
+    rlpipe.envs.registry.register_environment(Misgraded)
+
+
+def test_a_rubric_naming_an_unknown_grader_is_refused_by_validation(misgraded: None) -> None:
+    with pytest.raises(ConfigError, match=re.escape(MISGRADED)):
+        parse_run_config({"env": {"name": "misgraded"}})
+    # a grader named in the config replaces the rubric: nothing is missing then
+    assert parse_run_config({"env": {"name": "misgraded"}, "grader": {"name": "answer_match"}}).env.name == "misgraded"
+
+
+def test_a_rubric_naming_an_unknown_grader_stops_the_cli_before_temporal(
+        misgraded: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def no_client() -> None:
+        raise AssertionError("a config with an unknown rubric grader reached Temporal")
+
+    monkeypatch.setattr(cli, "_client", no_client)
+    config = tmp_path / "run.toml"
+    config.write_text('[env]\nname = "misgraded"\n')
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "start", str(config)])
+    assert exited.value.code == 2
+    assert MISGRADED in " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+
+
+def test_a_rubric_naming_an_unknown_grader_fails_a_web_ui_run_at_once(misgraded: None) -> None:
+    """The Web UI's Start Workflow form hands the workflow a plain dict, validated as the run starts."""
+    with pytest.raises(ApplicationError, match=re.escape(MISGRADED)) as failed:
+        _validated({"name": "ui-run", "env": {"name": "misgraded"}})
+    assert failed.value.type == "ConfigError" and failed.value.non_retryable

@@ -1,5 +1,6 @@
 """Environments: prompt sets, the tool-call text protocol, the calculator, the code environment."""
 
+import doctest
 import io
 import json
 import os
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 from pydantic import ValidationError
 
+import rlpipe.envs.base
 import rlpipe.envs.registry
 from rlpipe.envs.arithmetic import ArithmeticEnv, evaluate_chain
 from rlpipe.envs.base import Environment, Problem, Rubric, SandboxFailed, Task, ToolResult
@@ -396,11 +398,11 @@ def test_unknown_environment_lists_the_known_ones() -> None:
 def test_a_user_environment_plugs_in(monkeypatch: pytest.MonkeyPatch) -> None:
     class Reverse(Environment):
         name = "reverse"
-        system_prompt = "Reverse the word. Answer as <answer>...</answer>."
-        rubric = Rubric({"answer_match": 1.0})
+        system_prompt = "Reverse the digits. Answer as <answer>...</answer>."
+        rubric = Rubric({"answer_match": 1.0})  # integer references, as answer_match compares them
 
         def sample_problem(self, rng: random.Random) -> Problem:
-            word = "".join(rng.choice("abc") for _ in range(6))
+            word = "".join(rng.choice("123456789") for _ in range(6))
             return Problem(question=f"Reverse: {word}", reference=word[::-1])
 
     registry = rlpipe.envs.registry.ENVIRONMENTS
@@ -411,6 +413,43 @@ def test_a_user_environment_plugs_in(monkeypatch: pytest.MonkeyPatch) -> None:
     assert task.reference == task.question.removeprefix("Reverse: ")[::-1]
     with pytest.raises(ValueError, match="'arithmetic' is already taken by ArithmeticEnv"):
         rlpipe.envs.registry.register_environment(type("Other", (ArithmeticEnv,), {"name": "arithmetic"}))
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Environments registered in the test are gone after it."""
+    registry = rlpipe.envs.registry.ENVIRONMENTS
+    monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+
+
+RUBRIC = Rubric({"answer_match": 1.0})
+
+
+@pytest.mark.parametrize(("class_name", "attributes", "message"), [
+    ("Nameless", {"system_prompt": "Add.", "rubric": RUBRIC},
+     "environment class Nameless has no name: set the class attribute `name = \"...\"`"),
+    ("Promptless", {"name": "promptless", "rubric": RUBRIC},
+     "environment 'promptless' (class Promptless) has no system_prompt"),
+    ("Rubricless", {"name": "rubricless", "system_prompt": "Add."},
+     "environment 'rubricless' (class Rubricless) needs a rubric, found none: set the class attribute "
+     "`rubric = Rubric({grader name: weight})`"),
+    ("DictRubric", {"name": "dict_rubric", "system_prompt": "Add.", "rubric": {"answer_match": 1.0}},
+     "environment 'dict_rubric' (class DictRubric) needs a rubric, found a dict"),
+])
+def test_registration_names_the_class_and_what_it_lacks(
+        scratch_registry: None, class_name: str, attributes: dict[str, object], message: str) -> None:
+    def sample_problem(self: Environment, rng: random.Random) -> Problem:
+        return Problem("What is 1 + 1?", "2")
+
+    incomplete = type(class_name, (Environment,), {**attributes, "sample_problem": sample_problem})
+    with pytest.raises(TypeError, match=re.escape(message)):
+        rlpipe.envs.registry.register_environment(incomplete)
+
+
+def test_the_module_docstring_example_runs(scratch_registry: None) -> None:
+    """The example that shows how to bring your own environment, run as written (it registers one)."""
+    result = doctest.testmod(rlpipe.envs.base, raise_on_error=False)
+    assert result.attempted >= 10 and result.failed == 0, "the example in envs/base.py fails: see the output"
 
 
 def test_env_config_messages_name_the_field_and_the_fix() -> None:

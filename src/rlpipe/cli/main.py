@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rlpipe.configs import shipped_config
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:  # imported inside the commands that use them, to keep `rlpipe
     from alembic.config import Config as AlembicConfig
     from temporalio.client import Client
 
-    from rlpipe.infra.stack import Stack
+    from rlpipe.infra.stack import ServiceStatus, Stack
     from rlpipe.workers.launcher import WorkerSet
 
 T = TypeVar("T")
@@ -77,9 +78,24 @@ def print_status(stack: Stack) -> bool:
         health = "[green]healthy[/]" if row.healthy else f"[red]{row.detail}[/]"
         table.add_row(row.name, row.address, str(row.pid or "-"), health, row.log or "(external)")
     console.print(table)
+    print_strays(rows)
     if stack.settings.temporal_ui_url:
         console.print(f"Temporal Web UI: {stack.settings.temporal_ui_url}")
     return all(row.healthy for row in rows)
+
+
+def print_strays(rows: Sequence[ServiceStatus]) -> None:
+    """The processes that outlived their service's main process, with the memory they hold."""
+    strays = [(row.name, stray) for row in rows for stray in row.strays]
+    if not strays:
+        return
+    table = Table(title="stray processes: their service's main process is gone "
+                        "(`rlpipe stack up` or `rlpipe stack down` stops them)")
+    for col in ("service", "pid", "rss", "command"):
+        table.add_column(col)
+    for name, stray in strays:
+        table.add_row(name, str(stray.pid), f"{stray.rss_bytes / 2**20:.0f} MiB", Text(stray.command))
+    console.print(table)
 
 
 def cmd_stack_logs(args: argparse.Namespace) -> None:
@@ -101,11 +117,11 @@ def cmd_stack_logs(args: argparse.Namespace) -> None:
 
 def cmd_stack_env(args: argparse.Namespace) -> None:
     """Print `export` lines that point a shell (or another machine's workers) at this stack."""
-    from rlpipe.infra.endpoints import resolve_endpoints
+    from rlpipe.infra.endpoints import libpq_url, resolve_endpoints
 
     ep = resolve_endpoints(_stack(args).settings)
     print(f"export TEMPORAL_ADDRESS={ep.temporal_address}")
-    print(f"export DATABASE_URL='{ep.database_url}'")
+    print(f"export DATABASE_URL='{libpq_url(ep.database_url)}'")  # psql takes it too
     print(f"export S3_ENDPOINT_URL={ep.s3_endpoint or ''}")
     print(f"export AWS_ACCESS_KEY_ID={ep.s3_access_key or ''}")
     print(f"export AWS_SECRET_ACCESS_KEY='{ep.s3_secret_key or ''}'")
@@ -188,9 +204,15 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
 # -- runs ----------------------------------------------------------------------------------------
 async def _client() -> Client:
+    from rlpipe.infra.endpoints import START_THE_STACK
     from rlpipe.workers.common import connect, endpoints
 
-    return await connect(endpoints())
+    ep = endpoints()
+    try:
+        return await connect(ep)
+    except RuntimeError as exc:  # the SDK's "Failed client connect": nothing answers at that address
+        raise CliError(f"cannot reach Temporal at {ep.temporal_address}; if the stack is not running, "
+                       f"{START_THE_STACK}") from exc
 
 
 def cmd_run_start(args: argparse.Namespace) -> None:
@@ -477,13 +499,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - known error types print as one line
         from rlpipe.cli.run_commands import RunCommandError
         from rlpipe.evaluation.heldout import WrongVersionServed
+        from rlpipe.infra.endpoints import StackNotRunning
         from rlpipe.infra.settings import SettingsError
         from rlpipe.infra.stack import StackError
         from rlpipe.schemas.config import ConfigError
         from rlpipe.workers.launcher import WorkerStartError
 
-        if isinstance(exc, StackError | SettingsError | ConfigError | RunCommandError | WorkerStartError |
-                      WrongVersionServed):
+        if isinstance(exc, StackError | StackNotRunning | SettingsError | ConfigError | RunCommandError |
+                      WorkerStartError | WrongVersionServed):
             print_error(exc)
             sys.exit(2)
         raise

@@ -1,15 +1,31 @@
 """The Environment protocol: what a task the policy acts in must provide, and the shared machinery.
 
-Bring your own task by subclassing `Environment` and registering it (`envs.registry`):
+Bring your own task by subclassing `Environment` and registering it (`envs.registry`). The rubric
+names registered graders: `answer_match` compares the <answer> tag with an integer reference, so the
+task's references are integers (this example runs as a test: tests/unit/test_envs.py):
 
-    class Spelling(Environment):
-        name = "spelling"
-        system_prompt = "Spell the word backwards. Answer as <answer>...</answer>."
-        rubric = Rubric({"answer_match": 1.0})
-
-        def sample_problem(self, rng: random.Random) -> Problem:
-            word = rng.choice(WORDS)
-            return Problem(question=f"Reverse: {word}", reference=word[::-1])
+>>> import asyncio
+>>> import random
+>>> from rlpipe.envs.base import Environment, Problem, Rubric
+>>> from rlpipe.envs.registry import build_environment, register_environment
+>>> from rlpipe.graders.rules import AnswerMatchGrader
+>>> from rlpipe.schemas.task import EnvConfig
+>>> WORDS = ("river", "lantern", "orbit", "meadow")
+>>> @register_environment
+... class LetterCount(Environment):
+...     name = "letter_count"
+...     system_prompt = "Count the letters of the word. Answer as <answer>N</answer>."
+...     rubric = Rubric({"answer_match": 1.0})
+...
+...     def sample_problem(self, rng: random.Random) -> Problem:
+...         word = rng.choice(WORDS)
+...         return Problem(question=f"How many letters are in {word!r}?", reference=str(len(word)))
+>>> env = build_environment(EnvConfig(name="letter_count", eval_size=2))
+>>> task = env.task("train", 0)
+>>> task.question, task.reference
+("How many letters are in 'orbit'?", '5')
+>>> asyncio.run(AnswerMatchGrader().grade(task, "<answer>5</answer>")).score
+1.0
 
 That is all a single-turn task needs. A multi-turn task also lists `tools` (tag names, see
 `envs.toolcalls`) and implements `execute_tool`. The rollout loop is then:

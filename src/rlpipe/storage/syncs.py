@@ -4,6 +4,10 @@ The row is also the verdict of the latest attempt: its `started_at` names the at
 labels unverified weights `verifying-<version>-<started_at>`, see weights/labels.py), its
 `status` says whether those weights were verified. `attempt_verdict` reads it for a rollout
 whose tokens carry such a label.
+
+A load whose attempt failed is retried; a retry that finds the server already on a newer verified
+version (restored while the server was down) completes without loading, and its row says
+`superseded` (record_superseded), so the table agrees with the history, where the load completed.
 """
 
 from __future__ import annotations
@@ -66,6 +70,25 @@ def record_sync(s: Session, record: SyncRecord) -> int:
         set_={**{k: statement.excluded[k] for k in values if k not in ("run_id", "version", "server")},
               "attempts": sa.case((SyncEvent.started_at == statement.excluded.started_at, SyncEvent.attempts),
                                   else_=SyncEvent.attempts + 1)}).returning(SyncEvent.attempts)).scalar_one()
+
+
+def record_superseded(s: Session, run_id: str, version: int, server: str, held: int, at: datetime) -> None:
+    """Record an attempt to load `version` that found the server on the newer verified version `held`.
+
+    The load is over (the server will never go back to `version`), but it did not verify
+    `version`, so the row says `superseded`, not `ok`: the readers of ok rows (the server's last
+    verified version, versions only moving forward) stay right. It replaces a failed attempt's
+    row (whose weights it never vouches for: its `started_at` moves on) or is added when no
+    attempt wrote one; a verdict on weights (ok, rolled_back, refused) is left as it is."""
+    error = f"superseded: server {server} already held verified version {held}, so {version} was never loaded"
+    statement = insert(SyncEvent).values(run_id=run_id, version=version, server=server, status="superseded",
+                                         bytes=0, error=error, started_at=at, finished_at=at)
+    cleared = ("download_s", "pause_s", "reload_s", "verify_s", "total_s", "probe_max_abs_diff", "greedy_match")
+    s.execute(statement.on_conflict_do_update(
+        constraint="uq_sync_events_run_id_version_server",
+        set_={"status": "superseded", "bytes": 0, "error": error, "started_at": at, "finished_at": at,
+              "attempts": SyncEvent.attempts + 1, **{column: None for column in cleared}},
+        where=SyncEvent.status == "failed"))
 
 
 def finish_sync(s: Session, run_id: str, version: int, server: str, total_s: float, finished_at: datetime) -> None:

@@ -124,6 +124,8 @@ class Sidecar:
         target = await asyncio.to_thread(self._published, run_id, version)
         held = await self._current()
         if held is not None and held.run_id == run_id and held.version is not None and held.version >= version:
+            if held.version > version:  # a retry after a restore: close this load's row (the history says it completed)
+                await asyncio.to_thread(self._record_superseded, run_id, version, held.version)
             return SyncOutcome(status="ok", error=f"skipped: server {self.server} already holds version {held.version}")
         config = await asyncio.to_thread(self._config, run_id)
         attempt = _Attempt(self, target)
@@ -255,6 +257,10 @@ class Sidecar:
             with self.db.begin() as s:
                 self._configs[run_id] = load_run_config(s, run_id).sync
         return self._configs[run_id]
+
+    def _record_superseded(self, run_id: str, version: int, held: int) -> None:
+        with self.db.begin() as s:
+            syncs.record_superseded(s, run_id, version, self.server, held, datetime.now(UTC))
 
     def _last_verified(self) -> syncs.Verified | None:
         with self.db.begin() as s:
