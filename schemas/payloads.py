@@ -269,6 +269,12 @@ class TrainStepInput:
     publish: bool
     """Publish a checkpoint after this step (every sync interval, and at the last step)."""
 
+    @property
+    def max_staleness(self) -> int:
+        """The staleness bound this step claims under (the run's max_staleness when it was called,
+        which a schedule update may have changed since the run started)."""
+        return (self.step - 1) - self.min_trained_steps
+
 
 @dataclass
 class StepSummary:

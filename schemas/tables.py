@@ -280,6 +280,7 @@ class TrainStep(Base):
         CheckConstraint("step >= 1", name="step_positive"),
         CheckConstraint("n_groups >= 0 and n_trajectories >= 0 and n_tokens >= 0", name="counts_non_negative"),
         CheckConstraint("staleness_max is null or staleness_max >= 0", name="staleness_non_negative"),
+        CheckConstraint("max_staleness is null or max_staleness >= 0", name="max_staleness_non_negative"),
         CheckConstraint(_finite("loss"), name="loss_finite"),
         CheckConstraint("finished_at >= started_at", name="time_order"),
     )
@@ -303,6 +304,10 @@ class TrainStep(Base):
     grad_norm: Mapped[float | None] = mapped_column(Float)
     staleness_mean: Mapped[float | None] = mapped_column(Float)
     staleness_max: Mapped[int | None]
+    max_staleness: Mapped[int | None]
+    """The freshness bound this step claimed its batch under ((step - 1) - min_trained_steps): the
+    run's max_staleness at the time, which `rlpipe run schedule --max-staleness` can change mid-run.
+    Null for steps committed before it was recorded (migration 0004): their bound is the configured one."""
     metrics: Mapped[dict[str, Any] | None]
     """Every other per-step metric (clip fraction, importance weights, advantages, timings...)."""
     started_at: Mapped[datetime]

@@ -122,6 +122,7 @@ CASES: list[tuple[str, str]] = [
     ("ck_train_steps_step_positive", STEP.format(step=0, ng=1, loss=0, smax=0, fin="now()")),
     ("ck_train_steps_counts_non_negative", STEP.format(step=2, ng=-1, loss=0, smax=0, fin="now()")),
     ("ck_train_steps_staleness_non_negative", STEP.format(step=2, ng=1, loss=0, smax=-1, fin="now()")),
+    ("ck_train_steps_max_staleness_non_negative", "update train_steps set max_staleness = -1 where run_id = 'ck'"),
     ("ck_train_steps_loss_finite", STEP.format(step=2, ng=1, loss="'NaN'", smax=0, fin="now()")),
     ("ck_train_steps_time_order", STEP.format(step=2, ng=1, loss=0, smax=0, fin="now() - interval '1 hour'")),
     ("uq_sync_events_run_id_version_server", SYNC.format(v=0, server="'s0'", status="'ok'", bytes=1, attempts=1)),

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from rlpipe.observe import doctor
+from rlpipe.observe import doctor, invariants
 from rlpipe.observe import queries as q
 from rlpipe.observe.metrics import PipelineMetrics
 from rlpipe.observe.report import write_report
@@ -446,6 +446,65 @@ def test_buffer_depth_counts_completed_unconsumed_groups(migrated_db) -> None:  
     assert depth == [(1, 1), (2, 2), (3, 3), (4, 1)]  # claimed groups leave when their step starts, not at commit
     assert q.depth_before([q.DepthPoint(at(t), n) for t, n in depth], at(4)) == 3  # the step saw all three
     assert (now.fresh_groups, now.stale_groups) == (1, 0)
+
+
+def insert_run_with_step_bounds(s: Session, name: str, bound_at_step_4: int | None) -> None:
+    """A run configured with max_staleness 2 whose steps 1-3 train on fresh data (staleness 0)
+    and whose step 4 trains on data of version 0: 3 steps stale. Steps 1-3 recorded bound 2;
+    step 4 recorded `bound_at_step_4` (3: raised by `rlpipe run schedule --max-staleness 3`
+    before it; None: committed before the bound was recorded)."""
+    insert_run(s, name, replace(HEALTHY, max_staleness=2, steps=4, groups_per_step=1, group_size=2))
+    for version in range(4):  # every step published: version v has v trained steps
+        s.execute(sa.insert(PolicyVersion).values(run_id=name, version=version, trained_steps=version,
+                                                  checkpoint_key=f"{name}/v{version}", sha256=sha(f"{name}{version}"),
+                                                  size_bytes=1))
+    generated_by = {1: 0, 2: 1, 3: 2, 4: 0}  # step -> version of the data it claimed
+    group_ids = insert_returning_ids(s, RolloutGroup, [
+        {"run_id": name, "group_index": step - 1, "prompt_index": step - 1, "task_id": "t",
+         "workflow_id": f"{name}-{step}", "status": "completed", "n_samples": 2, "n_completed": 2,
+         "min_version": version, "max_version": version, "claimed_step": step, "started_at": at(step),
+         "completed_at": at(step + 0.5), "consumed_at": at(step + 1)} for step, version in generated_by.items()])
+    s.execute(sa.insert(Trajectory), [
+        {"run_id": name, "group_id": group_id, "sample_index": i, "status": "completed", "prompt_ids": [1],
+         "completion_ids": [2, 3], "loss_mask": [1, 1], "sampler_logprobs": [-0.5, -0.5], "policy_version": version,
+         "n_turns": 1, "finish_reason": "stop", "reward": float(i)}
+        for group_id, version in zip(group_ids, generated_by.values(), strict=True) for i in range(2)])
+    s.execute(sa.insert(TrainStep), [
+        {"run_id": name, "step": step, "policy_version": step - 1, "published_version": step, "n_groups": 1,
+         "n_trajectories": 2, "n_tokens": 4, "staleness_max": (step - 1) - version,
+         "max_staleness": bound_at_step_4 if step == 4 else 2, "started_at": at(step + 0.5),
+         "finished_at": at(step + 1)} for step, version in generated_by.items()])
+
+
+@pytest.mark.parametrize(("bound_at_step_4", "within"), [(3, True), (2, False), (None, False)],
+                         ids=["raised-to-3", "recorded-2", "unrecorded-configured-2"])
+def test_staleness_is_judged_by_the_bound_of_the_consuming_step(  # type: ignore[no-untyped-def]
+        migrated_db, bound_at_step_4: int | None, within: bool) -> None:
+    """Data 3 steps stale is within the bound of a step that claimed under max_staleness 3 (raised
+    mid-run), and over it when the step's bound is 2, recorded or (unrecorded) the configured one:
+    for the audit invariant and for the doctor alike."""
+    name = f"obs-bounds-{uuid.uuid4().hex[:8]}"
+    with migrated_db.begin() as s:
+        insert_run_with_step_bounds(s, name, bound_at_step_4)
+        lag = [tuple(r) for r in s.execute(sa.text("select step, staleness, max_staleness from v_version_lag "
+                                                   "where run_id = :r order by step"), {"r": name})]
+        audit = invariants.within_staleness(s, q.run_info(s, name))
+        found = {f.check: f for f in doctor.diagnose(s, name)}[doctor.STALENESS]
+    assert lag == [(1, 0, 2)] * 2 + [(2, 0, 2)] * 2 + [(3, 0, 2)] * 2 + [(4, 3, bound_at_step_4)] * 2
+    assert audit.ok is within, audit
+    if within:
+        assert audit.expected == "staleness <= the consuming step's max_staleness: 2 (steps 1-3), 3 (step 4)"
+        assert audit.observed == "max 3, none over its step's bound"
+        assert found.status == "ok", found
+        assert found.evidence["max_staleness"] == "2 (steps 1-3), 3 (step 4)"
+        assert found.verdict.endswith("max 3 (bounds 2 (steps 1-3), 3 (step 4))")
+    else:
+        assert audit.expected == "staleness <= the consuming step's max_staleness: 2"
+        assert audit.observed == ("2 trajectories over their step's bound in 1 step(s); worst: step 4 trained on "
+                                  "data 3 steps stale under bound 2 (1 over)")
+        assert (found.status, found.evidence["max_staleness"], found.evidence["worst_step"]) == ("problem", 2, 4)
+        assert "above the max_staleness 2 it claimed under" in found.verdict
+        assert "not enforced" in found.verdict
 
 
 # -- the report -------------------------------------------------------------------------------------

@@ -231,6 +231,11 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     # replay read the recorded claims and claimed nothing: every group once, by the same step as before
     assert claimed_steps(migrated_db, cfg.name) == claimed_steps(migrated_db, baseline.name)
     assert claimed_steps(migrated_db, cfg.name) == [1 + g // GROUPS_PER_STEP for g in range(STEPS * GROUPS_PER_STEP)]
+    # each step records the staleness bound it claimed under: (step - 1) - min_trained_steps (0 here)
+    with migrated_db.begin() as s:
+        bounds = dict(s.execute(sa.text("select step, max_staleness from train_steps where run_id = :r"),
+                                {"r": cfg.name}).all())
+    assert bounds == {step: step - 1 for step in range(1, STEPS + 1)}
 
 
 @pytest.fixture

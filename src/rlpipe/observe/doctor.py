@@ -154,6 +154,7 @@ class RunFacts:
     groups: q.GroupCounts
     staleness: dict[int, int]
     staleness_by_step: list[q.StepStaleness]
+    """With the bound each step claimed under: max_staleness can change mid-run."""
     trainer_duty: float | None
     tools: q.LatencyStats | None
     tool_share: float | None
@@ -181,7 +182,7 @@ def gather_facts(s: Session, run_id: str) -> RunFacts:
         info=info, steps=steps, usage=q.box_usage(s, run_id),
         waits=q.buffer_waits(s, run_id), depth_at_steps=[q.depth_before(depth, st.started_at) for st in steps],
         groups=q.group_counts(s, run_id), staleness=q.staleness_histogram(s, run_id),
-        staleness_by_step=q.staleness_by_step(s, run_id), trainer_duty=q.trainer_duty(s, run_id),
+        staleness_by_step=q.staleness_by_step(s, run_id, info.max_staleness), trainer_duty=q.trainer_duty(s, run_id),
         tools=q.tool_latency_stats(s, run_id),
         tool_share=q.tool_share_of_group_time(s, run_id), grades=q.grade_stats(s, run_id),
         sync=q.sync_share(s, run_id), syncs=q.sync_timings(s, run_id), lags=q.version_lag(s, run_id),
@@ -317,19 +318,31 @@ def check_staleness(f: RunFacts) -> Finding:
     n = sum(f.staleness.values())
     if n == 0:
         return Finding(STALENESS, "ok", {"consumed": 0}, "no consumed trajectories yet")
-    bound = f.info.max_staleness
+    # each step is judged by the bound it claimed under (a schedule update may change it mid-run)
+    by_step = f.staleness_by_step  # from the same view as the histogram: not empty either
+    bounds = q.describe_bounds(by_step)
+    in_force = sorted({x.bound for x in by_step})
+    bound: int | str = in_force[0] if len(in_force) == 1 else bounds  # the evidence: the bound(s) in force
     mean = sum(lag * c for lag, c in f.staleness.items()) / n
     worst = max(f.staleness)
-    at_bound = sum(c for lag, c in f.staleness.items() if lag >= bound) / n
+    at_bound = sum(x.at_bound for x in by_step) / n
+    # data at a bound of 1 is the async design: only bounds >= 2 count towards the binding rule
+    at_binding_bound = sum(x.at_bound for x in by_step if x.bound >= 2) / n
     evidence: dict[str, float | int | str] = {
-        "mean_steps": _r(mean, 2), "max_steps": worst, "max_staleness": bound, "at_bound_share": _r(at_bound),
-        "sync_interval": f.info.sync_interval, "dropped_groups": f.groups.dropped}
-    if worst > bound:
+        "mean_steps": _r(mean, 2), "max_steps": worst, "max_staleness": bound,
+        "at_bound_share": _r(at_bound), "sync_interval": f.info.sync_interval, "dropped_groups": f.groups.dropped}
+    over = [x for x in by_step if x.over_bound]
+    if over:
+        w = max(over, key=lambda x: (x.max - x.bound, x.max))
+        evidence |= {"over_bound_trajectories": sum(x.over_bound for x in over), "over_bound_steps": len(over),
+                     "worst_step": w.step, "worst_step_max_staleness": w.bound}
         return Finding(STALENESS, "problem", evidence,
-                       f"data {worst} steps stale was trained on, above max_staleness {bound}: the freshness rule "
-                       "was not enforced", "a bug: check claim_batch's min_trained_steps and the rollout budget")
-    if mean >= STALENESS_MEAN_PROBLEM or (bound >= 2 and at_bound >= STALENESS_AT_BOUND_SHARE):
-        return _stale_data(f, evidence, mean, at_bound)
+                       f"step {w.step} trained on data {w.max} steps stale, above the max_staleness {w.bound} it "
+                       f"claimed under ({evidence['over_bound_trajectories']} trajectories over their step's bound): "
+                       "the freshness rule was not enforced",
+                       "a bug: check claim_batch's min_trained_steps and the rollout budget")
+    if mean >= STALENESS_MEAN_PROBLEM or at_binding_bound >= STALENESS_AT_BOUND_SHARE:
+        return _stale_data(f, evidence, mean, at_bound, by_step)
     if len(f.staleness_by_step) >= MIN_STEPS_FOR_TRENDS:
         early, late = thirds([x.mean for x in f.staleness_by_step])
         evidence |= {"mean_early": _r(early, 2), "mean_late": _r(late, 2)}
@@ -337,26 +350,31 @@ def check_staleness(f: RunFacts) -> Finding:
             return Finding(STALENESS, "warn", evidence,
                            f"staleness drifts up from {early:.1f} to {late:.1f} steps over the run",
                            f"see {BUFFER_DEPTH}: data is waiting longer and longer")
-    return Finding(STALENESS, "ok", evidence, f"mean staleness {mean:.2f} steps, max {worst} (bound {bound})")
+    in_words = f"(bound {bounds})" if len(in_force) == 1 else f"(bounds {bounds})"
+    return Finding(STALENESS, "ok", evidence, f"mean staleness {mean:.2f} steps, max {worst} {in_words}")
 
 
-def _stale_data(f: RunFacts, evidence: dict[str, float | int | str], mean: float, at_bound: float) -> Finding:
+def _stale_data(f: RunFacts, evidence: dict[str, float | int | str], mean: float, at_bound: float,
+                by_step: Sequence[q.StepStaleness]) -> Finding:
     """Name why the data is stale. Staleness = steps the group waited in the buffer + steps that
     passed while it was generated + how far the servers' weights lagged the trainer when it
     started; the buffer wait is measured, the rest is sync interval and generation time."""
     wait = statistics.fmean(w.mean_steps for w in f.waits) if f.waits else 0.0
     evidence |= {"buffer_wait_steps": _r(wait, 2), "weights_and_generation_steps": _r(mean - wait, 2)}
-    summary = f"the data is {mean:.1f} steps stale on average ({at_bound:.0%} at the bound {f.info.max_staleness})"
+    bound = max(x.bound for x in by_step)  # the loosest bound in force
+    bounds = q.describe_bounds(by_step)
+    at = f"the bound {bounds}" if len({x.bound for x in by_step}) == 1 else f"their step's bound: {bounds}"
+    summary = f"the data is {mean:.1f} steps stale on average ({at_bound:.0%} at {at})"
     interval = f.info.sync_interval
     sync_remedy = (f"lower sync.interval (now {interval}; check sync_share first) or raise max_staleness if this "
                    "much off-policy data is intended")
-    if interval > 1 and f.info.max_staleness <= interval:
+    if interval > 1 and bound <= interval:
         # The bound may not go below interval - 1, so it is the interval that lets rollouts make
         # the data of the coming steps from one old version (whether it then waits in the buffer
         # or is generated late).
         return Finding(STALENESS, "problem", evidence,
                        f"{summary}: sync.interval {interval} keeps the servers on one version for {interval} steps "
-                       f"and the freshness bound {f.info.max_staleness} is pinned to it", sync_remedy,
+                       f"and the freshness bound {bound} is pinned to it", sync_remedy,
                        symptom="sync_interval")
     if wait >= mean / 2:
         return Finding(STALENESS, "problem", evidence,

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from rlpipe.observe.queries import RunInfo, TextRow, group_counts, run_info, version_anomalies
+from rlpipe.observe.queries import (
+    RunInfo,
+    TextRow,
+    describe_bounds,
+    group_counts,
+    run_info,
+    staleness_by_step,
+    version_anomalies,
+)
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.weights.checkpoints import load_manifest
 
@@ -83,9 +91,22 @@ def consumed_once(s: Session, run: RunInfo) -> Invariant:
 
 
 def within_staleness(s: Session, run: RunInfo) -> Invariant:
-    worst = s.scalar(sa.text("select max(staleness) from v_version_lag where run_id = :run"), {"run": run.run_id})
-    return Invariant(WITHIN_STALENESS, f"max staleness <= {run.max_staleness}", f"max {worst}",
-                     worst is not None and worst <= run.max_staleness)
+    """Every consumed trajectory is at most as stale as the bound of the step that trained on it:
+    the max_staleness the step claimed under (a schedule update may raise or lower it mid-run), or
+    the configured one for a step that recorded none."""
+    steps = staleness_by_step(s, run.run_id, run.max_staleness)
+    expected = f"staleness <= the consuming step's max_staleness: {describe_bounds(steps) or run.max_staleness}"
+    if not steps:
+        return Invariant(WITHIN_STALENESS, expected, "no consumed trajectories", False)
+    over = [x for x in steps if x.over_bound]
+    if not over:
+        return Invariant(WITHIN_STALENESS, expected, f"max {max(x.max for x in steps)}, none over its step's bound",
+                         True)
+    worst = max(over, key=lambda x: (x.max - x.bound, x.max))
+    return Invariant(WITHIN_STALENESS, expected,
+                     f"{sum(x.over_bound for x in over)} trajectories over their step's bound in {len(over)} "
+                     f"step(s); worst: step {worst.step} trained on data {worst.max} steps stale under bound "
+                     f"{worst.bound} ({worst.max - worst.bound} over)", False)
 
 
 def versions_contiguous(s: Session, run: RunInfo) -> Invariant:

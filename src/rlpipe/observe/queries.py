@@ -213,12 +213,43 @@ class StepStaleness:
     mean: float
     std: float
     max: int
+    n: int
+    """Trajectories the step consumed."""
+    bound: int
+    """The max_staleness the step claimed under (train_steps.max_staleness; a schedule update can
+    change it mid-run), or the run's configured one where the step recorded none."""
+    at_bound: int
+    """Trajectories at least `bound` steps stale."""
+    over_bound: int
+    """Trajectories more than `bound` steps stale: the freshness rule slipped."""
 
 
-def staleness_by_step(s: Session, run_id: str) -> list[StepStaleness]:
-    rows = _rows(s, "select step, avg(staleness), coalesce(stddev_pop(staleness), 0), max(staleness) "
-                    "from v_version_lag where run_id = :run group by step order by step", run=run_id)
-    return [StepStaleness(step, float(m), float(sd), mx) for step, m, sd, mx in rows]
+def staleness_by_step(s: Session, run_id: str, default_bound: int) -> list[StepStaleness]:
+    """Staleness of each step's data next to the step's own bound; `default_bound` (the run's
+    configured max_staleness, RunInfo) stands in for steps that recorded none."""
+    rows = _rows(s, """
+        select step, avg(staleness), coalesce(stddev_pop(staleness), 0), max(staleness), count(*),
+               coalesce(max(max_staleness), :default_bound),
+               count(*) filter (where staleness >= coalesce(max_staleness, :default_bound)),
+               count(*) filter (where staleness > coalesce(max_staleness, :default_bound))
+        from v_version_lag where run_id = :run group by step order by step""", run=run_id, default_bound=default_bound)
+    return [StepStaleness(step, float(m), float(sd), mx, n, bound, at, over)
+            for step, m, sd, mx, n, bound, at, over in rows]
+
+
+def describe_bounds(steps: Sequence[StepStaleness]) -> str:
+    """The staleness bounds in force, for messages: '2' when every step had bound 2, else each
+    bound with its steps, e.g. '2 (steps 1-4), 3 (steps 5-10)'."""
+    spans: list[list[int]] = []  # [bound, first step, last step]
+    for x in steps:
+        if spans and spans[-1][0] == x.bound:
+            spans[-1][2] = x.step
+        else:
+            spans.append([x.bound, x.step, x.step])
+    if len({bound for bound, _, _ in spans}) <= 1:
+        return str(spans[0][0]) if spans else ""
+    return ", ".join(f"{bound} (step {first})" if first == last else f"{bound} (steps {first}-{last})"
+                     for bound, first, last in spans)
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,7 @@ class Trainer:
             response_length_mean=metrics["response_length_mean"], entropy=metrics["entropy"],
             kl_sampler=metrics["kl_sampler"], grad_norm=metrics["grad_norm"],
             staleness_mean=metrics["staleness_mean"], staleness_max=int(metrics["staleness_max"]),
+            max_staleness=inp.max_staleness,
             metrics={**metrics, "dropped_groups": claim.dropped, "consumed_groups": claim.consumed},
             started_at=started, finished_at=datetime.now(UTC))
         with self.db.begin() as s:
