@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -42,6 +42,7 @@ from rlpipe.infra.inference import InferenceService
 from rlpipe.infra.settings import save_settings
 from rlpipe.infra.stack import Stack
 from rlpipe.observe.invariants import check_run
+from rlpipe.schemas.config import RunConfig
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.workers.launcher import WorkerSet
@@ -103,10 +104,13 @@ Condition = Callable[[], object]
 """A check that returns something truthy when it holds, or an awaitable of it."""
 
 
-async def until(condition: Condition, what: str, timeout_s: float = RUN_TIMEOUT_S, interval_s: float = 0.2) -> None:
+async def until(condition: Condition, what: str, timeout_s: float = RUN_TIMEOUT_S, interval_s: float = 0.2,
+                explain: Callable[[], Awaitable[str]] | None = None) -> None:
+    """Wait until `condition` holds; on timeout, fail with `explain()`'s account of the run."""
     deadline = time.monotonic() + timeout_s
     while not await _holds(condition):
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting until {what}" + (f"\n{await explain()}" if explain else ""))
         await asyncio.sleep(interval_s)
 
 
@@ -123,6 +127,29 @@ async def running(client: Client, workflow_ids: list[str], activity: str) -> int
         count += sum(p.activity_type.name == activity and p.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
                      for p in described.raw_description.pending_activities)
     return count
+
+
+async def where_the_run_is(client: Client, db: Database, cfg: RunConfig, servers: TwoServers) -> str:
+    """What a stuck wait needs to be diagnosed after the test home is gone: the run's state, its
+    pending activities, its sync rows and failures, and the last lines of the sync-side logs."""
+    described = await client.get_workflow_handle(cfg.workflow_id).describe()
+    lines = [f"run workflow: {described.status}"]
+    try:
+        lines.append(f"status: {await run_status(client, cfg.name)}")
+    except Exception as exc:  # noqa: BLE001 - a closed or failed run cannot be queried; say so
+        lines.append(f"status query failed: {exc}")
+    lines += [f"pending: {p.activity_type.name} attempt {p.attempt} {p.last_failure.message[:300]}"
+              for p in described.raw_description.pending_activities]
+    lines += [f"sync: {tuple(r)}" for r in rows(db, "select server, version, status, attempts, error from sync_events "
+                                                     "where run_id = :r order by started_at", r=cfg.name)]
+    lines += [f"failure: {tuple(r)}" for r in rows(db, "select kind, activity, message from failures where "
+                                                        "run_id = :r order by id desc limit 10", r=cfg.name)]
+    logs = [record.log for name, record in servers.workers.table.load().items() if "sidecar" in name]
+    logs += [servers.stack.table.get(servers.second.name).log] if servers.stack.table.get(servers.second.name) else []
+    for log in logs:
+        tail = Path(log).read_text(errors="replace").splitlines()[-15:] if Path(log).exists() else []
+        lines += [f"--- {log}", *tail]
+    return "\n".join(lines)
 
 
 def groups_in_flight(db: Database, run: str) -> list[str]:
@@ -144,21 +171,26 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
                       rollout={"tool_latency": {"kind": "constant", "seconds": 1.0}})
     monkey = Monkey(two_servers.stack, two_servers.workers, hard=True, progress=lambda msg: None)
     handle = await start_run(temporal_client, cfg)
-    await until(lambda: all(1 in synced(migrated_db, cfg.name, s) for s in SERVERS), "both servers verify v1")
+
+    async def explain() -> str:
+        return await where_the_run_is(temporal_client, migrated_db, cfg, two_servers)
+
+    await until(lambda: all(1 in synced(migrated_db, cfg.name, s) for s in SERVERS), "both servers verify v1",
+                timeout_s=300, explain=explain)
 
     # PostgreSQL SIGKILLed while tools run, then while the trainer trains
     await until(lambda: running(temporal_client, groups_in_flight(migrated_db, cfg.name), "run_tool"),
-                "a tool call runs", interval_s=0.05)
+                "a tool call runs", interval_s=0.05, explain=explain)
     await asyncio.to_thread(monkey.disrupt, Disruption("postgres", 0, DATABASE_DOWN_S))
     await until(lambda: running(temporal_client, [cfg.workflow_id], "train_step"), "a train step runs",
-                interval_s=0.05)
+                interval_s=0.05, explain=explain)
     await asyncio.to_thread(monkey.disrupt, Disruption("postgres", 0, DATABASE_DOWN_S))
 
     # server 1's API process SIGKILLed while both servers load a version; it stays down a minute
     async def both_servers_loading() -> bool:
         return await running(temporal_client, [cfg.workflow_id], "sync_weights") == len(SERVERS)
 
-    await until(both_servers_loading, "both servers load a version", interval_s=0.05)
+    await until(both_servers_loading, "both servers load a version", interval_s=0.05, explain=explain)
     server_1 = two_servers.stack.table.get(two_servers.second.name)
     assert server_1 is not None
     engine = [p.pid for p in psutil.Process(server_1.pid).children(recursive=True)]
@@ -166,9 +198,9 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
     os.kill(server_1.pid, signal.SIGKILL)
     held = max(synced(migrated_db, cfg.name, "1"))
     await until(lambda: len(_published_since(migrated_db, cfg.name, "0", killed_at)) >= 2,
-                "server 0 verifies two versions while server 1 is down", timeout_s=SERVER_DOWN_S)
+                "server 0 verifies two versions while server 1 is down", timeout_s=SERVER_DOWN_S, explain=explain)
     await until(lambda: not any(psutil.pid_exists(pid) for pid in engine), "server 1's engine processes end",
-                timeout_s=30)
+                timeout_s=30, explain=explain)
     await pause(temporal_client, cfg.name, "server 1 stays down a minute")  # so the run cannot finish meanwhile
 
     # the trade-off can be changed on a running run; an invalid change is refused, naming the rule
@@ -183,7 +215,8 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
     await asyncio.sleep(max(0.0, SERVER_DOWN_S - (_db_now(migrated_db) - killed_at).total_seconds()))
     await asyncio.to_thread(monkey.bring_back, two_servers.second.name)
     restarted_at = _db_now(migrated_db)
-    await until(lambda: _events_since(migrated_db, cfg.name, "1", restarted_at), "server 1 is synced again")
+    await until(lambda: _events_since(migrated_db, cfg.name, "1", restarted_at), "server 1 is synced again",
+                explain=explain)
     await resume(temporal_client, cfg.name)
     result = await run_result(handle, RUN_TIMEOUT_S)
     assert result.steps == cfg.steps
