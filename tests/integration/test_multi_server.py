@@ -176,8 +176,9 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
     async def explain() -> str:
         return await where_the_run_is(temporal_client, migrated_db, cfg, two_servers)
 
-    await until(lambda: all(1 in synced(migrated_db, cfg.name, s) for s in SERVERS), "both servers verify v1",
-                timeout_s=300, explain=explain)
+    # a server busy loading when a version is published skips it for the next: wait for any trained one
+    await until(lambda: all(max(synced(migrated_db, cfg.name, s), default=0) >= 1 for s in SERVERS),
+                "both servers verify a trained version", timeout_s=300, explain=explain)
 
     # PostgreSQL SIGKILLed while tools run, then while the trainer trains
     await until(lambda: running(temporal_client, groups_in_flight(migrated_db, cfg.name), "run_tool"),
