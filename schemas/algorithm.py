@@ -16,7 +16,7 @@ PolicyLoss = Literal["ppo_clip", "cispo"]
 RatioLevel = Literal["token", "sequence"]
 OffPolicyCorrection = Literal["none", "truncated_is", "sequence_truncate", "sequence_mask", "decoupled"]
 CAPPED_BY_TIS_CAP = ("truncated_is", "sequence_truncate", "sequence_mask")
-"""The corrections whose importance weight `tis_cap` bounds."""
+"""The corrections whose importance weight `tis_cap` (and `tis_floor`) bound."""
 KLEstimator = Literal["k1", "k2", "k3"]
 MicroBatchSplit = Literal["count", "tokens"]
 
@@ -107,6 +107,11 @@ class LossConfig(BaseModel):
     tis_cap: float = Field(2.0, ge=1, allow_inf_nan=False)
     """truncated_is, sequence_truncate, sequence_mask: the cap of the importance weight (TIS uses 2,
     TRL's sequence modes 3)."""
+    tis_floor: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
+    """truncated_is, sequence_truncate, sequence_mask: the lower bound of the importance weight
+    (TRL's vllm_importance_sampling_clip_min): a smaller weight is raised to it (truncate modes) or,
+    in sequence_mask, drops the sequence, since a sample the trainer finds far less likely than the
+    sampler did is as untrustworthy as one it finds far more likely. None: no lower bound."""
     decoupled_weight_cap: float | None = Field(None, gt=1, allow_inf_nan=False)
     """decoupled only: tokens whose proximal/behaviour weight exceeds this are dropped from the
     loss (AReaL's behav_imp_weight_cap); None keeps every token."""
@@ -156,11 +161,12 @@ class LossConfig(BaseModel):
         if self.kl_is_correction and self.kl_coef == 0:
             raise ValueError("loss.kl_is_correction corrects the KL penalty, which kl_coef=0 turns off: "
                              "set kl_coef > 0 or remove kl_is_correction")
-        if self.tis_cap != defaults["tis_cap"].default and self.off_policy not in CAPPED_BY_TIS_CAP:
-            raise ValueError(
-                f"loss.tis_cap is only read by off_policy in {CAPPED_BY_TIS_CAP} (off_policy is "
-                f"{self.off_policy!r}): remove it or set off_policy='truncated_is'"
-            )
+        for bound in ("tis_cap", "tis_floor"):
+            if getattr(self, bound) != defaults[bound].default and self.off_policy not in CAPPED_BY_TIS_CAP:
+                raise ValueError(
+                    f"loss.{bound} is only read by off_policy in {CAPPED_BY_TIS_CAP} (off_policy is "
+                    f"{self.off_policy!r}): remove it or set off_policy='truncated_is'"
+                )
         if self.decoupled_weight_cap is not None and self.off_policy != "decoupled":
             raise ValueError(
                 f"loss.decoupled_weight_cap is only read by off_policy='decoupled' (off_policy is "

@@ -10,8 +10,9 @@ published to the store, within 1e-6 (max abs), while one step's update is far la
   two, with one optimiser step per train step and with four (2 epochs x 2 mini-batches, decoupled
   PPO anchored at the proximal policy recorded before the first);
 - SIGKILLed: a child process (with its data-parallel ranks) is killed inside step 4, after it
-  claimed and trained but before it published or committed; a new process restores version 1,
-  replays step 3 and redoes step 4 on the batch step 4 had already claimed.
+  claimed and trained but before it published or committed -- or, with four optimiser steps per
+  train step, between its two epochs, when two of them have moved the weights in memory; a new
+  process restores version 1, replays step 3 and redoes step 4 on the batch step 4 had already claimed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -35,6 +37,7 @@ import torch
 
 from rlpipe.infra.endpoints import Endpoints
 from rlpipe.policy.checkpoint import load_state_dict
+from rlpipe.rl import step as step_module
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import TrainStepInput
@@ -107,13 +110,42 @@ def step_input(cfg: RunConfig, step: int) -> TrainStepInput:
                           publish=step % SYNC_INTERVAL == 0 or step == STEPS)
 
 
-def run_steps(trainer: Trainer, cfg: RunConfig, steps: range, pause_in: int | None = None) -> None:
-    """init_policy when starting at step 1, then `steps`; inside step `pause_in` (after training,
-    before publishing and committing) report on stdout and wait to be killed."""
+def run_steps(trainer: Trainer, cfg: RunConfig, steps: range, pause_in: int | None = None,
+              pause_after_updates: int | None = None) -> None:
+    """init_policy when starting at step 1, then `steps`; inside step `pause_in` report on stdout and
+    wait to be killed: after its first `pause_after_updates` optimiser steps, or (None) after training,
+    before publishing and committing."""
     if steps.start == 1:
         trainer.init_policy(cfg.name)
     for step in steps:
-        trainer.train_step(step_input(cfg, step), heartbeat=_wait_to_be_killed if step == pause_in else lambda: None)
+        if step != pause_in:
+            trainer.train_step(step_input(cfg, step))
+        elif pause_after_updates is None:
+            trainer.train_step(step_input(cfg, step), heartbeat=_wait_to_be_killed)
+        else:
+            with _pausing_after_updates(pause_after_updates):
+                trainer.train_step(step_input(cfg, step))
+
+
+@contextmanager
+def _pausing_after_updates(updates: int) -> Iterator[None]:
+    """Wait to be killed once `updates` optimiser steps of the one-process engine are done
+    (rl/step.run_epochs calls the module's `train_step` once per optimiser step)."""
+    original, done = step_module.train_step, 0
+
+    def counting(*args: Any, **kwargs: Any) -> dict[str, float]:
+        nonlocal done
+        metrics = original(*args, **kwargs)
+        done += 1
+        if done == updates:
+            _wait_to_be_killed()
+        return metrics
+
+    step_module.train_step = counting
+    try:
+        yield
+    finally:
+        step_module.train_step = original
 
 
 def _wait_to_be_killed() -> None:
@@ -243,14 +275,17 @@ def child_env(endpoints: Endpoints) -> dict[str, str]:
     return {**os.environ, "RLPIPE_TEST_ENDPOINTS": json.dumps(dataclasses.asdict(endpoints))}
 
 
+@pytest.mark.parametrize("several_updates", [False, True], ids=["after-training", "between-epochs"])
 def test_a_sigkilled_trainer_process_recovers_by_replay(
-        uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore, tiny_model: Path,
-        tmp_path: Path, child_env: dict[str, str]) -> None:
+        several_updates: bool, uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore,
+        tiny_model: Path, tmp_path: Path, child_env: dict[str, str]) -> None:
     """One process (world_size 1): data-parallel recovery is the test above; this one is about a
-    real crash in the middle of a step, with its claim made and nothing committed."""
-    _, want = uninterrupted(1, False)
-    cfg = new_run(migrated_db, tiny_model, 1)
-    with trainer_process(cfg, range(1, STEPS + 1), tmp_path / "first", child_env, pause_in=4) as first:
+    real crash in the middle of a step, with its claim made and nothing committed. With 2 epochs x
+    2 mini-batches the kill lands after the first epoch's two optimiser steps."""
+    _, want = uninterrupted(1, several_updates)
+    cfg = new_run(migrated_db, tiny_model, 1, several_updates)
+    with trainer_process(cfg, range(1, STEPS + 1), tmp_path / "first", child_env, pause_in=4,
+                         pause_after_updates=2 if several_updates else None) as first:
         assert _read_until(first, "paused"), "the child never reached step 4"
         os.killpg(first.pid, signal.SIGKILL)   # the trainer (and any rank processes), mid-step
         first.wait(timeout=30)
@@ -265,13 +300,13 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
 
 # -- the child process ----------------------------------------------------------------------------
 @contextmanager
-def trainer_process(cfg: RunConfig, steps: range, work: Path, env: dict[str, str],
-                    pause_in: int | None = None) -> Iterator[subprocess.Popen]:
+def trainer_process(cfg: RunConfig, steps: range, work: Path, env: dict[str, str], pause_in: int | None = None,
+                    pause_after_updates: int | None = None) -> Iterator[subprocess.Popen]:
     """A child running `run_steps` in its own process group (so one killpg takes its ranks too);
     whatever is left of the group is killed on exit. Its stderr goes to work/stderr.log."""
     work.mkdir(parents=True)
     args = json.dumps({"run": cfg.name, "first": steps.start, "last": steps.stop - 1, "pause_in": pause_in,
-                       "work": str(work / "trainer")})
+                       "pause_after_updates": pause_after_updates, "work": str(work / "trainer")})
     with open(work / "stderr.log", "w") as stderr:
         proc = subprocess.Popen([sys.executable, __file__, args], stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 env=env, start_new_session=True)
@@ -301,7 +336,8 @@ def child_main() -> None:
         cfg = RunConfig.model_validate(s.execute(sa.text("select config from runs where id = :r"),
                                                  {"r": args["run"]}).scalar())
     try:
-        run_steps(trainer, cfg, range(args["first"], args["last"] + 1), pause_in=args["pause_in"])
+        run_steps(trainer, cfg, range(args["first"], args["last"] + 1), pause_in=args["pause_in"],
+                  pause_after_updates=args["pause_after_updates"])
     finally:
         trainer.close()
 

@@ -58,9 +58,11 @@ OBJECTIVES: dict[str, dict[str, object]] = {
 """Each policy-gradient objective, with clips and caps that some tokens or sequences of the batch reach
 (and the KL penalty reweighted by the importance ratio)."""
 SEQUENCE_WEIGHTS: dict[str, dict[str, object]] = {
-    mode: {"clip_high": 0.28, "off_policy": mode, "tis_cap": 1.5} for mode in ("sequence_truncate", "sequence_mask")
+    mode: {"clip_high": 0.28, "off_policy": mode, "tis_cap": 1.5, "tis_floor": 0.5}
+    for mode in ("sequence_truncate", "sequence_mask")
 }
-"""The sequence-level importance weights; the noisy sampler puts some sequences above the cap."""
+"""The sequence-level importance weights; the noisy sampler puts some sequences above the cap and
+some below the floor."""
 
 
 def loss_config(aggregation: Aggregation, objective: str = "ppo_clip") -> LossConfig:

@@ -54,6 +54,39 @@ def test_truncated_is_weights_truncate_at_cap() -> None:
     assert not w.requires_grad
 
 
+def test_truncated_is_weights_raise_to_the_floor() -> None:
+    w = truncated_is_weights(logs(3.0, 0.05, 1.0), torch.zeros(1, 3, dtype=torch.float64), cap=2.0, floor=0.1)
+    assert w.tolist()[0] == pytest.approx([2.0, 0.1, 1.0], rel=1e-12)
+
+
+@pytest.mark.parametrize(("mode", "loss", "first_weight"), [("sequence_truncate", -(0.5 * 2 + 2.5 * 2) / 4, 0.5),
+                                                            ("sequence_mask", -(2.5 * 2) / 4, 0.0)])
+def test_sequence_weights_below_the_floor(mode: str, loss: float, first_weight: float) -> None:
+    # proximal / sampler per token: row 1 [0.5, 0.5, -] -> 0.25 under the floor 0.5: raised to 0.5 or masked
+    # to 0; row 2 [2, 1.25, -] -> 2.5 inside [0.5, 3]. A = 1, ratio to proximal 1: per token -weight
+    logprobs = torch.cat([logs(0.2, 0.2, 0.3), logs(0.5, 0.5, 0.3)]).requires_grad_()
+    sampler = torch.cat([logs(0.4, 0.4, 0.0), logs(0.25, 0.4, 0.0)])
+    x = LossInputs(logprobs=logprobs, sampler_logprobs=sampler, advantages=torch.ones(2, dtype=torch.float64),
+                   loss_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.float64),
+                   entropy=torch.zeros_like(logprobs), proximal_logprobs=logprobs.detach())
+    out = compute_loss(x, LossConfig(off_policy=mode, tis_cap=3.0, tis_floor=0.5), GlobalStats(4, 2, 3))
+    assert out.loss.item() == pytest.approx(loss, rel=1e-12)
+    out.loss.backward()
+    want = [-first_weight / 4, -first_weight / 4, 0.0, -2.5 / 4, -2.5 / 4, 0.0]   # d loss / d logprob: -w / 4
+    assert logprobs.grad.reshape(-1).tolist() == pytest.approx(want, abs=1e-15)
+    assert out.sums["is_capped_frac"].item() == 2.0   # the two loss tokens of row 1, out of bounds
+
+
+def test_compute_loss_truncated_is_with_a_floor() -> None:
+    # proximal / sampler = [3, 0.25] -> weights [2 (capped), 0.5 (floored)]; A = 1, ratio 1: token mean
+    # (-2 - 0.5) / 2 = -1.25; both tokens out of bounds
+    logprobs = logs(0.6, 0.1).requires_grad_()
+    x = one_sequence(logprobs, logs(0.2, 0.4), 1.0, [1, 1], proximal_logprobs=logprobs.detach())
+    out = compute_loss(x, LossConfig(off_policy="truncated_is", tis_cap=2.0, tis_floor=0.5), TWO_TOKENS)
+    assert out.loss.item() == pytest.approx(-1.25, rel=1e-12)
+    assert out.sums["is_capped_frac"].item() == 2.0
+
+
 def test_decoupled_weights_drop_tokens_above_cap() -> None:
     sampler = torch.zeros(1, 3, dtype=torch.float64)
     assert decoupled_weights(logs(3.0, 0.5, 1.0), sampler, cap=2.0).tolist()[0] == pytest.approx([0.0, 0.5, 1.0])
@@ -271,6 +304,8 @@ def test_empty_micro_batch_gives_zero_loss_tied_to_the_graph(rows: int, aggregat
     [
         ({"max_completion_tokens": 512}, "aggregation='constant_normalizer'"),
         ({"tis_cap": 3.0}, "off_policy in"),
+        ({"tis_floor": 0.5}, "tis_floor is only read by off_policy in"),
+        ({"off_policy": "truncated_is", "tis_floor": 1.5}, "tis_floor"),
         ({"decoupled_weight_cap": 5.0}, "off_policy='decoupled'"),
         ({"aggregation": "bnpo"}, "aggregation"),
         ({"clip_low": 1.5}, "clip_low"),

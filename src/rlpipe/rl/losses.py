@@ -117,22 +117,27 @@ def policy_gradient_term(
     return ppo_clip_loss(logprobs, anchor_logprobs, advantages, cfg.clip_low, cfg.clip_high)
 
 
-def truncated_is_weights(proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
-    """TIS: min(pi_prox / mu, cap), detached: (N, L) -> (N, L). It corrects for the sampler's
-    distribution differing from the trainer's (stale weights, kernel mismatch); the cap bounds variance."""
-    return (proximal_logprobs - sampler_logprobs).exp().clamp(max=cap).detach()
+def truncated_is_weights(
+    proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float, floor: float | None = None
+) -> Tensor:
+    """TIS: clamp(pi_prox / mu, floor, cap), detached: (N, L) -> (N, L). It corrects for the sampler's
+    distribution differing from the trainer's (stale weights, kernel mismatch); the bounds limit variance."""
+    return (proximal_logprobs - sampler_logprobs).exp().clamp(min=floor, max=cap).detach()
 
 
 def sequence_is_weights(
-    proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float, *, drop: bool
+    proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float, floor: float | None = None, *, drop: bool
 ) -> tuple[Tensor, Tensor]:
     """A sequence's importance weight pi_prox(y) / mu(y), the product of its tokens' ratios, detached:
-    truncated at `cap`, or with `drop`, 0 above it. (N, L) x 2 -> weight (N, 1), capped (N, 1) bool.
-    Masked slots must hold equal values in both (ratio 1), as compute_loss makes them."""
+    clamped to [floor, cap], or with `drop`, 0 outside it. (N, L) x 2 -> weight (N, 1), out of bounds
+    (N, 1) bool. Masked slots must hold equal values in both (ratio 1), as compute_loss makes them."""
     log_weight = (proximal_logprobs - sampler_logprobs).sum(-1, keepdim=True).detach()   # (N, 1)
-    capped = log_weight > math.log(cap)
-    weight = log_weight.clamp(max=math.log(cap)).exp()                                  # never overflows
-    return (weight.masked_fill(capped, 0.0) if drop else weight), capped
+    log_floor = None if floor is None else math.log(floor)
+    out_of_bounds = log_weight > math.log(cap)
+    if log_floor is not None:
+        out_of_bounds |= log_weight < log_floor
+    weight = log_weight.clamp(min=log_floor, max=math.log(cap)).exp()                    # never overflows
+    return (weight.masked_fill(out_of_bounds, 0.0) if drop else weight), out_of_bounds
 
 
 def decoupled_weights(proximal_logprobs: Tensor, sampler_logprobs: Tensor, cap: float | None) -> Tensor:
@@ -183,9 +188,9 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: Aggregation, stats: Globa
 def off_policy_terms(
     proximal_logprobs: Tensor | None, sampler_logprobs: Tensor, cfg: LossConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The PPO ratio's anchor, the per-token weight and where the cap acted, each (N, L), by correction:
+    """The PPO ratio's anchor, the per-token weight and where a bound acted, each (N, L), by correction:
     1) none: clip around the sampler mu, weight 1;
-    2) truncated_is: clip around pi_prox, weight min(pi_prox / mu, tis_cap);
+    2) truncated_is: clip around pi_prox, weight clamp(pi_prox / mu, tis_floor, tis_cap);
        sequence_truncate / sequence_mask: the same, one weight per sequence (sequence_is_weights);
     3) decoupled: clip around pi_prox, weight pi_prox / mu, 0 above decoupled_weight_cap."""
     no_cap = torch.zeros_like(sampler_logprobs, dtype=torch.bool)
@@ -195,10 +200,11 @@ def off_policy_terms(
         raise ValueError(f"off_policy={cfg.off_policy!r} needs proximal_logprobs (the trainer before the step)")
     prox_over_mu = (proximal_logprobs - sampler_logprobs).exp()                       # (N, L)
     if cfg.off_policy == "truncated_is":
-        weight = truncated_is_weights(proximal_logprobs, sampler_logprobs, cfg.tis_cap)
-        return proximal_logprobs, weight, prox_over_mu > cfg.tis_cap
+        weight = truncated_is_weights(proximal_logprobs, sampler_logprobs, cfg.tis_cap, cfg.tis_floor)
+        below = prox_over_mu < cfg.tis_floor if cfg.tis_floor is not None else no_cap
+        return proximal_logprobs, weight, (prox_over_mu > cfg.tis_cap) | below
     if cfg.off_policy in ("sequence_truncate", "sequence_mask"):
-        weight, capped = sequence_is_weights(proximal_logprobs, sampler_logprobs, cfg.tis_cap,
+        weight, capped = sequence_is_weights(proximal_logprobs, sampler_logprobs, cfg.tis_cap, cfg.tis_floor,
                                              drop=cfg.off_policy == "sequence_mask")
         return proximal_logprobs, weight.expand_as(sampler_logprobs), capped.expand_as(sampler_logprobs)
     cap = cfg.decoupled_weight_cap
