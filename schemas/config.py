@@ -95,6 +95,11 @@ class RolloutConfig(Strict):
     that scores everything alike) slows the run down instead of stalling it."""
     hedge_samples: int = Field(0, ge=0)
     """Extra samples started per group; the first `group_size` to finish are kept, the rest discarded."""
+    max_group_history_events: int = Field(8000, ge=50)
+    """A group's workflow continues-as-new (keeping every finished turn) once its history holds this
+    many events, or sooner if Temporal suggests it. Temporal fails a workflow at 51,200 events and
+    warns from 10,240; the history may still grow by the turn each sample has in flight (about 6
+    events per model or tool call), so leave room below those for G samples' widest turn."""
     tool_latency: LatencyModel = NoLatency()
     """Latency injected before every tool call, to emulate remote sandboxes and their long tail:
     {kind = "none"}, {kind = "constant", seconds}, {kind = "lognormal", median_seconds, sigma, seed}

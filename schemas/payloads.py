@@ -167,6 +167,29 @@ class GroupInput:
     grade_timeout_s: float
     grade_attempts: int
     outage_budget_s: float = 900.0
+    max_history_events: int | None = None
+    """Continue-as-new before the group's history passes this many events (or when Temporal
+    suggests it); None (groups started before the bound existed) never does."""
+    progress: GroupProgress | None = None
+    """What earlier executions of this group finished; None in its first execution."""
+
+
+@dataclass
+class GroupProgress:
+    """What a rollout group carries across continue-as-new: its trajectories and how far each
+    sample got, so that no finished turn is played again."""
+
+    trajectory_ids: list[int]
+    next_turns: list[int]
+    """Per sample: the first turn not yet played (a turn is its model call and its tool calls)."""
+    finished: list[int] = field(default_factory=list)
+    """Sample indices, in the order they finished (the first `group_size` are kept)."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """Sample index -> why it failed."""
+    deadline_at: float | None = None
+    """When the group's deadline passes (workflow time, POSIX seconds); None without a deadline."""
+    outages_waited: list[str] = field(default_factory=list)
+    """Calls run again after an outage, not yet recorded in `failures` (the last 50)."""
 
 
 @dataclass

@@ -5,7 +5,9 @@
                 ─▶ grade_group ─▶ finish_group (advantages, one transaction) ─▶ signal the run
 
 Every model call and tool call is its own activity, so a worker crash re-runs only the call in
-flight: completed turns are in the history (and in `turns`), never generated again. A group whose
+flight: completed turns are in the history (and in `turns`), never generated again. Before the
+history passes `max_history_events` (or when Temporal suggests it), each sample stops at the end of
+its turn and the group continues-as-new, carrying how far each sample got (`GroupProgress`). A group whose
 task cannot be drawn fails at once (the reason is the environment's); a cancelled group (its run
 was cancelled) closes its books as dropped before it ends.
 """
@@ -13,6 +15,7 @@ was cancelled) closes its books as dropped before it ends.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import timedelta
 
 from temporalio import workflow
@@ -26,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
         GenerateInput,
         GradeGroupInput,
         GroupInput,
+        GroupProgress,
         GroupSummary,
         StartGroupInput,
         ToolInput,
@@ -44,19 +48,26 @@ class RolloutGroupWorkflow:
         self.failed: dict[int, str] = {}  # sample index -> why
         self.samples: list[asyncio.Task[None]] = []
         self.outages = Outages(budget_s=0.0)  # the run's budget, set in `run`
+        self.next_turns: list[int] = []  # per sample: the first turn not yet played
+        self.handing_over = False  # the history is long enough: samples stop at the end of their turn
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupSummary:
         self.outages.budget_s = inp.outage_budget_s
-        try:
-            started = await execute(
-                act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
-                                                 inp.group_size + inp.hedge_samples), **BOOKKEEPING)
-        except ActivityError as err:  # not retried: the environment cannot produce this group's task
-            reason = f"group {inp.group_index} could not start: {_cause(err)}"
-            await self._record(inp, "rollout", reason)
-            return await self._report(inp, GroupSummary(inp.group_index, "failed", reason=reason))
-        ids = started.trajectory_ids
+        if inp.progress is not None:  # a continued execution: the group started in the first one
+            p = inp.progress
+            ids, self.next_turns, self.finished, self.failed = p.trajectory_ids, p.next_turns, p.finished, p.failed
+            self.outages.waited = p.outages_waited
+        else:
+            try:
+                started = await execute(
+                    act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
+                                                     inp.group_size + inp.hedge_samples), **BOOKKEEPING)
+            except ActivityError as err:  # not retried: the environment cannot produce this group's task
+                reason = f"group {inp.group_index} could not start: {_cause(err)}"
+                await self._record(inp, "rollout", reason)
+                return await self._report(inp, GroupSummary(inp.group_index, "failed", reason=reason))
+            ids, self.next_turns = started.trajectory_ids, [0] * len(started.trajectory_ids)
         try:
             return await self._report(inp, await self._play(inp, ids))
         except asyncio.CancelledError:
@@ -68,15 +79,24 @@ class RolloutGroupWorkflow:
             raise
 
     async def _play(self, inp: GroupInput, ids: list[int]) -> GroupSummary:
-        """Run the samples, keep the first `group_size` that finish, grade them and close the group."""
-        self.samples = [asyncio.create_task(self._sample(inp, i, ids[i])) for i in range(len(ids))]
-        enough = lambda: len(self.finished) >= inp.group_size or len(self.finished) + len(self.failed) == len(ids)  # noqa: E731
-        timeout = timedelta(seconds=inp.group_deadline_s) if inp.group_deadline_s else None
+        """Run the samples, keep the first `group_size` that finish, grade them and close the group
+        (or hand the samples still playing over to the next execution, see `_hand_over`)."""
+        self.samples = [asyncio.create_task(self._sample(inp, i, ids[i])) for i in range(len(ids))
+                        if i not in self.finished and i not in self.failed]
+
+        def enough() -> bool:
+            return len(self.finished) >= inp.group_size or len(self.finished) + len(self.failed) == len(ids)
+
+        timeout, deadline_at = self._deadline(inp)
         deadline_passed = False
-        try:
-            await workflow.wait_condition(enough, timeout=timeout)
+        try:  # every sample done and not enough finished: they stopped for the hand-over
+            await workflow.wait_condition(lambda: enough() or all(task.done() for task in self.samples),
+                                          timeout=timeout)
         except TimeoutError:
             deadline_passed = True
+        if not deadline_passed and not enough():
+            workflow.continue_as_new(replace(inp, progress=GroupProgress(
+                ids, self.next_turns, self.finished, self.failed, deadline_at, self.outages.waited[-50:])))
         for task in self.samples:  # hedged extras and stragglers are not waited for
             task.cancel()
 
@@ -112,6 +132,26 @@ class RolloutGroupWorkflow:
                                                rewards, left_out if rewards else ids, status, reason),
             **BOOKKEEPING)
 
+    def _deadline(self, inp: GroupInput) -> tuple[timedelta | None, float | None]:
+        """How long the group may still wait for its samples, and when its deadline passes
+        (workflow time, POSIX seconds; carried across continue-as-new). None: no deadline."""
+        if not inp.group_deadline_s:
+            return None, None
+        if inp.progress is None or inp.progress.deadline_at is None:  # the first execution
+            return timedelta(seconds=inp.group_deadline_s), workflow.now().timestamp() + inp.group_deadline_s
+        left_s = max(0.0, inp.progress.deadline_at - workflow.now().timestamp())
+        return timedelta(seconds=left_s), inp.progress.deadline_at
+
+    def _hand_over(self, inp: GroupInput) -> bool:
+        """Should the samples stop at the end of their turn for a continue-as-new? Once the history
+        holds `max_history_events` events, or Temporal suggests it (it may still grow by the turn
+        each sample has in flight)."""
+        if not self.handing_over and inp.max_history_events is not None:
+            info = workflow.info()
+            self.handing_over = (info.get_current_history_length() >= inp.max_history_events
+                                 or info.is_continue_as_new_suggested())
+        return self.handing_over
+
     async def _report(self, inp: GroupInput, summary: GroupSummary) -> GroupSummary:
         """Tell the run how the group ended, and return that."""
         try:
@@ -121,9 +161,14 @@ class RolloutGroupWorkflow:
         return summary
 
     async def _sample(self, inp: GroupInput, index: int, trajectory_id: int) -> None:
-        """One episode: model turns and the tool calls they make, until the episode is done."""
+        """One episode: model turns and the tool calls they make, until the episode is done, or
+        until the end of a turn when the group hands over to its next execution (each execution
+        plays at least one turn of each sample, so a group always progresses)."""
+        first = self.next_turns[index]
         try:
-            for turn in range(inp.max_turns):
+            for turn in range(first, inp.max_turns):
+                if turn > first and self._hand_over(inp):
+                    return  # the next execution plays on from `turn`
                 generated = await execute_through_outages(
                     act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, inp.server), self.outages,
                     **generate_options(inp.generate_timeout_s, inp.generate_attempts))
@@ -132,6 +177,7 @@ class RolloutGroupWorkflow:
                     **tool_options(inp.tool_timeout_s, inp.tool_attempts))
                     for call in range(generated.n_tool_calls)]
                 await asyncio.gather(*calls)
+                self.next_turns[index] = turn + 1
                 if generated.done:
                     break
             self.finished.append(index)

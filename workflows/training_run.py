@@ -93,7 +93,7 @@ class TrainingRunWorkflow:
             launcher = asyncio.create_task(self._keep_rollouts_in_flight())
             while self.state.step < config.steps:
                 await workflow.wait_condition(lambda: self._can_train() or self._should_continue_as_new())
-                if self._should_continue_as_new() and not self._can_train():
+                if self._should_continue_as_new() and (not self._can_train() or self._continues_between_steps()):
                     await self._stop_launcher(launcher)
                     await self._await_syncs()
                     await workflow.wait_condition(workflow.all_handlers_finished)
@@ -196,7 +196,8 @@ class TrainingRunWorkflow:
             group_deadline_s=r.group_deadline_s, straggler_policy=r.straggler_policy,
             min_partial_samples=r.min_partial_samples, generate_timeout_s=r.generate_timeout_s,
             generate_attempts=r.generate_attempts, tool_timeout_s=r.tool_timeout_s, tool_attempts=r.tool_attempts,
-            grade_timeout_s=r.grade_timeout_s, grade_attempts=r.grade_attempts, outage_budget_s=r.outage_budget_s)
+            grade_timeout_s=r.grade_timeout_s, grade_attempts=r.grade_attempts, outage_budget_s=r.outage_budget_s,
+            max_history_events=r.max_group_history_events)
 
     def _max_turns(self) -> int:
         # the environment's own default applies when the config leaves it unset (activities resolve it);
@@ -347,6 +348,12 @@ class TrainingRunWorkflow:
         every = self.config.continue_as_new_every
         return workflow.info().is_continue_as_new_suggested() or (every is not None and
                                                                  self.state.steps_this_run >= every)
+
+    def _continues_between_steps(self) -> bool:
+        """Continue-as-new when due even though a step could train now (the step committed, the
+        next not started), so that a run whose rollouts stay ahead of the trainer continues too.
+        Runs that started before this replay the old path, training on (docs/workflow-changes.md)."""
+        return workflow.patched("continue-as-new-between-steps")
 
     # -- handlers -----------------------------------------------------------------------------------
     @workflow.query

@@ -1,8 +1,9 @@
 """Record the Temporal histories that tests/replay/test_replay.py replays against the current
-workflow code: an async run, a sync run, a multi-turn run and a run that continues-as-new, each
-with one of its rollout groups. Re-record when workflow code changes on purpose (and guard the
-change with `workflow.patched` first, see docs/workflow-changes.md), on a stack of its own so no
-real worker takes the fakes' tasks:
+workflow code: an async run, a sync run, a multi-turn run, a run that continues-as-new, one that
+continues-as-new between steps with its rollouts ahead of the trainer, and one whose rollout groups
+continue-as-new (every run of the chain), each with one of its rollout groups. Re-record when
+workflow code changes on purpose (and guard the change with `workflow.patched` first, see
+docs/workflow-changes.md), on a stack of its own so no real worker takes the fakes' tasks:
 
     RLPIPE_HOME=/tmp/rlpipe-replay python -m tests.replay.record_histories
     RLPIPE_HOME=/tmp/rlpipe-replay rlpipe stack down
@@ -15,7 +16,8 @@ import json
 import uuid
 from pathlib import Path
 
-from temporalio.client import Client
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowHistory
 
 from rlpipe.cli.run_commands import start_run
 from rlpipe.workers.common import connect
@@ -31,7 +33,23 @@ CASES = {
     "sync": (dict(mode="sync", max_staleness=0, steps=2), FakeBooks()),
     "multi_turn": (dict(steps=2), FakeBooks(tool_turns=2)),
     "continue_as_new": (dict(steps=3, continue_as_new_every=1), FakeBooks()),
+    "ahead": (dict(steps=4, continue_as_new_every=2, max_staleness=2), FakeBooks(train_delay_s=0.3)),
+    "group_continue_as_new": (dict(steps=1, rollout={"group_size": 3, "groups_per_step": 1, "max_concurrent_groups": 1,
+                                                     "max_group_history_events": 60}), FakeBooks(tool_turns=5)),
 }
+
+
+async def chain(client: Client, workflow_id: str) -> list[WorkflowHistory]:
+    """The histories of every run of `workflow_id`, first to last, through its continue-as-new events."""
+    description = await client.get_workflow_handle(workflow_id).describe()
+    run_id, histories = description.raw_description.workflow_execution_info.first_run_id, []
+    while True:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        histories.append(history)
+        last = history.events[-1]
+        if last.event_type != EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
+            return histories
+        run_id = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
 
 
 async def record(client: Client, name: str) -> dict[str, str]:
@@ -41,12 +59,12 @@ async def record(client: Client, name: str) -> dict[str, str]:
     async with fake_pipeline(client, books):
         await finished(await start_run(client, cfg))
     written = {}
-    runs = [wf async for wf in client.list_workflows(f"WorkflowId = '{cfg.workflow_id}'")]
-    for index, run in enumerate(sorted(runs, key=lambda r: r.start_time)):
-        history = await client.get_workflow_handle(cfg.workflow_id, run_id=run.run_id).fetch_history()
+    for index, history in enumerate(await chain(client, cfg.workflow_id)):
         written[f"{name}-run{index}.json"] = (cfg.workflow_id, history.to_json())
     group_id = f"{cfg.workflow_id}-group-0"
-    written[f"{name}-group0.json"] = (group_id, (await client.get_workflow_handle(group_id).fetch_history()).to_json())
+    group_runs = await chain(client, group_id)
+    for index, history in enumerate(group_runs):  # a group that continued-as-new: each of its runs
+        written[f"{name}-group0{f'-run{index}' if len(group_runs) > 1 else ''}.json"] = (group_id, history.to_json())
     for file, (_, text) in written.items():
         (OUT / file).write_text(text)
     return {file: workflow_id for file, (workflow_id, _) in written.items()}

@@ -27,7 +27,8 @@ HISTORIES = [HISTORY_DIR / name for name in sorted(WORKFLOW_IDS)]
 def test_the_representative_histories_are_committed() -> None:
     assert all(path.exists() for path in HISTORIES)
     names = {path.name.split("-")[0] for path in HISTORIES}
-    assert {"async", "sync", "multi_turn", "continue_as_new"} <= names
+    assert {"async", "sync", "multi_turn", "continue_as_new", "ahead", "group_continue_as_new"} <= names
+    assert len([p for p in HISTORIES if p.name.startswith("group_continue_as_new-group0-run")]) >= 2
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)

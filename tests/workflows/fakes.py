@@ -77,6 +77,10 @@ class FakeBooks:
     """Servers whose syncs fail (a server that is down)."""
     generated_on: list[str] = field(default_factory=list)
     """The server of every generate call, in order."""
+    generated: list[tuple[int, int]] = field(default_factory=list)
+    """(trajectory id, turn index) of every generate call, in order."""
+    finished_groups: list[FinishGroupInput] = field(default_factory=list)
+    """What every group closed its books with, in order."""
     grading_error: str | None = None
     """While set, grading fails with this message (a broken grader), without retries."""
     task_error: str | None = None
@@ -132,6 +136,7 @@ class FakeBooks:
         @activity.defn(name=GENERATE.name)
         async def generate(inp: GenerateInput) -> GenerateResult:
             books.generated_on.append(inp.server)
+            books.generated.append((inp.trajectory_id, inp.turn_index))
             await asyncio.sleep(books.generate_delay_s)
             calls = 1 if inp.turn_index < books.tool_turns else 0
             return GenerateResult(n_tool_calls=calls, done=calls == 0, n_tokens=3, version=0, finish_reason="stop")
@@ -153,6 +158,7 @@ class FakeBooks:
         async def finish_group(inp: FinishGroupInput) -> GroupSummary:
             group = books.groups[inp.group_index]
             group["status"] = inp.status
+            books.finished_groups.append(inp)
             if inp.reason == RUN_CANCELLED:
                 books.cancelled_groups.append(inp.group_index)
             books.log("group_end", inp.group_index)
