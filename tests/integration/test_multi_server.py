@@ -166,9 +166,10 @@ def rlpipe(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_lost(
         two_servers: TwoServers, temporal_client: Client, migrated_db: Database, object_store: ObjectStore,
         tiny_model: Path) -> None:
-    # a slow tool keeps groups between turns, so the first kill lands in tool calls; 14 steps leave
-    # the run going when it is paused after server 1's kill, on a fast machine too
-    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=14, max_staleness=2,
+    # a slow tool keeps groups between turns, so the first kill lands in tool calls; 20 steps leave
+    # the run going when it is paused after server 1's kill, on a fast machine too, and groups to
+    # launch after server 1 is back
+    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=20, max_staleness=2,
                       rollout={"tool_latency": {"kind": "constant", "seconds": 1.0}})
     monkey = Monkey(two_servers.stack, two_servers.workers, hard=True, progress=lambda msg: None)
     handle = await start_run(temporal_client, cfg)
@@ -201,7 +202,7 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
     held = max(synced(migrated_db, cfg.name, "1"))
     await until(lambda: len(_published_since(migrated_db, cfg.name, "0", killed_at)) >= 2,
                 "server 0 verifies two versions while server 1 is down", timeout_s=SERVER_DOWN_S, explain=explain)
-    await pause(temporal_client, cfg.name, "server 1 stays down a minute")  # so the run cannot finish meanwhile
+    paused = await pause(temporal_client, cfg.name, "server 1 stays down a minute")  # the run cannot finish meanwhile
     await until(lambda: not any(psutil.pid_exists(pid) for pid in engine), "server 1's engine processes end",
                 timeout_s=30, explain=explain)
 
@@ -265,7 +266,7 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
                tu.created_at - tu.generate_latency_s * interval '1 second' as began
         from turns tu join trajectories t on t.id = tu.trajectory_id where t.run_id = :r""", r=cfg.name)
     after_restart = [t for t in turns if t.server == "1" and t.began > killed_at]
-    assert after_restart, "server 1 took rollouts again after its restart"
+    assert after_restart, f"server 1 took no rollouts after its restart (paused at step {paused.step})"
     assert all(t.created_at > restore.finished_at - LABEL_SLACK for t in after_restart)
     assert all(t.version_before >= restore.version for t in after_restart)
 

@@ -45,7 +45,7 @@ from rlpipe.weights.sync import probe_logprob_diff
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 
 TOLERANCE = 1e-4  # tiny model in fp32: a faithful load differs by < 4e-6 (docs/vllm-cpu-notes.md)
-RACE_ATTEMPTS = 3
+RACE_ATTEMPTS = 6
 """A test that needs requests still running when a sync pauses the server tries that many syncs:
 IN_FLIGHT requests take ~3 s, a sync reaches its pause in ~0.5 s, but on a loaded 2-core machine
 the requests can still win (tests/integration/in_flight.py)."""

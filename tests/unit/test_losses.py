@@ -59,6 +59,13 @@ def test_truncated_is_weights_raise_to_the_floor() -> None:
     assert w.tolist()[0] == pytest.approx([2.0, 0.1, 1.0], rel=1e-12)
 
 
+def two_sequences_on_proximal(logprobs: torch.Tensor, sampler: torch.Tensor) -> LossInputs:
+    """Two sequences of two loss tokens and a padding slot, A = 1, one update (proximal = current)."""
+    return LossInputs(logprobs=logprobs, sampler_logprobs=sampler, advantages=torch.ones(2, dtype=torch.float64),
+                      loss_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.float64),
+                      entropy=torch.zeros_like(logprobs), proximal_logprobs=logprobs.detach())
+
+
 @pytest.mark.parametrize(("mode", "loss", "first_weight"), [("sequence_truncate", -(0.5 * 2 + 2.5 * 2) / 4, 0.5),
                                                             ("sequence_mask", -(2.5 * 2) / 4, 0.0)])
 def test_sequence_weights_below_the_floor(mode: str, loss: float, first_weight: float) -> None:
@@ -66,9 +73,7 @@ def test_sequence_weights_below_the_floor(mode: str, loss: float, first_weight: 
     # to 0; row 2 [2, 1.25, -] -> 2.5 inside [0.5, 3]. A = 1, ratio to proximal 1: per token -weight
     logprobs = torch.cat([logs(0.2, 0.2, 0.3), logs(0.5, 0.5, 0.3)]).requires_grad_()
     sampler = torch.cat([logs(0.4, 0.4, 0.0), logs(0.25, 0.4, 0.0)])
-    x = LossInputs(logprobs=logprobs, sampler_logprobs=sampler, advantages=torch.ones(2, dtype=torch.float64),
-                   loss_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.float64),
-                   entropy=torch.zeros_like(logprobs), proximal_logprobs=logprobs.detach())
+    x = two_sequences_on_proximal(logprobs, sampler)
     out = compute_loss(x, LossConfig(off_policy=mode, tis_cap=3.0, tis_floor=0.5), GlobalStats(4, 2, 3))
     assert out.loss.item() == pytest.approx(loss, rel=1e-12)
     out.loss.backward()
@@ -176,9 +181,7 @@ def test_compute_loss_sequence_level_importance_weights(mode: str, loss: float, 
     # per token -weight; token mean over 4 loss tokens
     logprobs = torch.cat([logs(0.5, 0.5, 0.3), logs(0.5, 0.4, 0.3)]).requires_grad_()
     sampler = torch.cat([logs(0.25, 0.4, 0.0), logs(0.25, 0.2, 0.0)])
-    x = LossInputs(logprobs=logprobs, sampler_logprobs=sampler, advantages=torch.ones(2, dtype=torch.float64),
-                   loss_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.float64),
-                   entropy=torch.zeros_like(logprobs), proximal_logprobs=logprobs.detach())
+    x = two_sequences_on_proximal(logprobs, sampler)
     out = compute_loss(x, LossConfig(off_policy=mode, tis_cap=3.0), GlobalStats(4, 2, 3))
     assert out.loss.item() == pytest.approx(loss, rel=1e-12)
     out.loss.backward()
