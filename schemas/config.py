@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlpipe.registry import names_used, registered_names
+from rlpipe.registry import names_used, registered_names, unusable
 from rlpipe.sandbox.latency import LatencyModel, NoLatency
 from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
 from rlpipe.schemas.task import EnvConfig, GraderConfig
@@ -194,7 +194,7 @@ class RunConfig(Strict):
         known = registered_names("grader")
         if self.grader.name is not None or rubric is None or known is None:
             return self
-        missing = [name for name in rubric if name not in known]
+        missing = [name for name in rubric if name not in known and unusable("grader", name) is not None]
         if missing:
             raise ValueError(f"env {self.env.name!r} grades with its rubric ({', '.join(rubric)}), but grader(s) "
                              f"{', '.join(missing)} are not registered (known graders: {', '.join(known)}): register "

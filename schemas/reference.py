@@ -50,6 +50,8 @@ def _type_name(annotation: object) -> str:
 
 
 def _default(field: FieldInfo) -> str:
+    if field.is_required():  # no default to show (the table it is in is optional as a whole)
+        return "required"
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(table)"

@@ -12,7 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlpipe.registry import registered_names
+from rlpipe.registry import unusable
+from rlpipe.schemas.dataset import DatasetConfig
 
 ArithmeticOperator = Literal["+", "-", "*"]
 MAX_STRUCTURED_SCORE = 100  # a structured judge chooses among max_score + 1 replies
@@ -51,9 +52,10 @@ class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str = "arithmetic"
-    """Registered environment: 'arithmetic', 'arithmetic_plain' (same questions, plain-number
-    answers), 'calculator', 'code', or one added with
-    `rlpipe.envs.registry.register_environment`."""
+    """Environment: 'arithmetic', 'arithmetic_plain' (same questions, plain-number answers), 'calculator',
+    'code', 'dataset' (prompts and references from your data: env.dataset), an import path
+    ('my_pkg.tasks:SpellingEnv') or an entry point an installed package declares in group
+    'rlpipe.environments' (docs/own-tasks.md; `rlpipe envs list` shows what is available)."""
     seed: int = 0
     """Seed of the prompt sets; the same seed gives the same train and eval questions in every process."""
     train_size: int = Field(10_000, ge=1)
@@ -73,17 +75,34 @@ class EnvConfig(BaseModel):
     """Longest tool observation fed back to the model; longer output keeps its head and tail."""
     tool_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     """Wall-clock limit of one sandboxed tool run (the code environment's python tool)."""
+    dataset: DatasetConfig | None = None
+    """The data of the 'dataset' environment (and of plugins built on it): files, columns, system prompt
+    and the train/eval split. Its train and eval sets come from the data, so train_size and eval_size
+    do not apply."""
 
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str) -> str:
-        known = registered_names("environment")
-        if known is not None and name not in known:
-            raise ValueError(
-                f"env.name {name!r} is not a registered environment: use one of {', '.join(known)} "
-                "or register yours with rlpipe.envs.registry.register_environment"
-            )
+        reason = unusable("environment", name)
+        if reason is not None:
+            raise ValueError(f"env.name {name!r} is not a registered environment: {reason}")
         return name
+
+    @model_validator(mode="after")
+    def _dataset_configured(self) -> "EnvConfig":
+        if self.name == "dataset" and self.dataset is None:
+            raise ValueError("env.name 'dataset' needs env.dataset: set at least env.dataset.path "
+                             "(a JSONL or Parquet file, or a directory saved by `datasets`)")
+        if self.dataset is not None:
+            # compared with the defaults, not `model_fields_set`: a config that went through JSON (Temporal's
+            # payloads, the runs table) has every field set
+            sized = [name for name in ("train_size", "eval_size", "difficulty")
+                     if getattr(self, name) != EnvConfig.model_fields[name].default]
+            if sized:
+                raise ValueError(f"env.{', env.'.join(sized)} {'does' if len(sized) == 1 else 'do'} not apply to a "
+                                 "dataset, whose rows are the prompts: remove it; env.dataset.eval_rows sets the "
+                                 "eval split's size")
+        return self
 
 
 DEFAULT_JUDGE_TEMPLATE = """You are grading a response to a task.
@@ -201,8 +220,9 @@ class GraderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str | None = None
-    """A registered grader ('answer_match', 'final_number', 'code_tests', 'judge'); None uses the environment's
-    rubric."""
+    """A grader: 'answer_match', 'final_number', 'code_tests', 'judge', an import path of a Grader class or
+    of a reward function `fn(task, response_text) -> float` ('my_pkg.rewards:exact'), or an entry point an
+    installed package declares in group 'rlpipe.graders'; None uses the environment's rubric."""
     judge: JudgeConfig | None = None
     """Judge endpoint and parsing; required when the judge grades (name 'judge')."""
     concurrency: int = Field(8, ge=1)
@@ -213,12 +233,10 @@ class GraderConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_registered(cls, name: str | None) -> str | None:
-        known = registered_names("grader")
-        if name is not None and known is not None and name not in known:
-            raise ValueError(
-                f"grader.name {name!r} is not a registered grader: use one of "
-                f"{', '.join(known)}, or None for the environment's rubric"
-            )
+        reason = None if name is None else unusable("grader", name)
+        if reason is not None:
+            raise ValueError(f"grader.name {name!r} is not a registered grader: {reason}; or leave grader.name "
+                             "unset for the environment's rubric")
         return name
 
     @model_validator(mode="after")

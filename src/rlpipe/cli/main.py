@@ -218,11 +218,17 @@ async def _client() -> Client:
 def cmd_run_start(args: argparse.Namespace) -> None:
     import asyncio
 
+    from rich.markup import escape
+
     from rlpipe.cli import run_commands
+    from rlpipe.cli.own_tasks import check_tasks_here
     from rlpipe.schemas.config import load_run_config
 
     overrides = {"name": args.name} if args.name else {}
     config = load_run_config(args.config_file, overrides)  # a bad config stops here, before any run
+    warning = check_tasks_here(config)  # and so does bad data
+    if warning:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
     async def go() -> None:
         client = await _client()
@@ -240,6 +246,14 @@ def cmd_run_start(args: argparse.Namespace) -> None:
                 raise SystemExit(1)
 
     asyncio.run(go())
+
+
+def cmd_plugins_list(args: argparse.Namespace) -> None:
+    from rlpipe.cli.own_tasks import print_plugins
+    from rlpipe.envs.registry import ENVIRONMENTS
+    from rlpipe.graders.registry import GRADERS
+
+    print_plugins(console, ENVIRONMENTS if args.group == "envs" else GRADERS)
 
 
 def _run_call(fn: Callable[[Client], Awaitable[T]]) -> T:
@@ -450,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--max-staleness", type=int)
     command(run, "cancel", cmd_run_cancel, "cancel a run").add_argument("run")
     command(run, "list", cmd_run_list, "runs known to Temporal")
+    for group, kind in (("envs", "environments"), ("graders", "graders")):
+        listing = groups.add_parser(group, help=f"the {kind} runs can use").add_subparsers(dest="cmd", required=True)
+        command(listing, "list", cmd_plugins_list, f"the {kind} available here and where each comes from "
+                                                   "(rlpipe, an installed package's entry point, an import path)")
     report = groups.add_parser("report", help="plots and a summary page for a run (PNG, markdown, HTML)")
     report.add_argument("run")
     report.add_argument("--out", type=Path, help="output directory (default reports/RUN)")

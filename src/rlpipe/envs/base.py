@@ -1,7 +1,9 @@
 """The Environment protocol: what a task the policy acts in must provide, and the shared machinery.
 
-Bring your own task by subclassing `Environment` and registering it (`envs.registry`). The rubric
-names registered graders: `answer_match` compares the <answer> tag with an integer reference, so the
+Bring your own task by subclassing `Environment`; a run names it by import path
+("my_pkg.tasks:LetterCount") or by the entry point of an installed package, and every worker finds it
+(docs/own-tasks.md). Here it is registered in this process only, for the example. The rubric names
+registered graders: `answer_match` compares the <answer> tag with an integer reference, so the
 task's references are integers (this example runs as a test: tests/unit/test_envs.py):
 
 >>> import asyncio
@@ -170,8 +172,12 @@ class Environment(ABC):
     rubric: ClassVar[Rubric]
     tools: ClassVar[tuple[str, ...]] = ()  # tag names the model may call, e.g. ("calc",)
     default_max_turns: ClassVar[int] = 1
+    reads_dataset: ClassVar[bool] = False  # whether env.dataset means anything to it (envs.dataset)
 
     def __init__(self, config: EnvConfig) -> None:
+        if config.dataset is not None and not self.reads_dataset:
+            raise ValueError(f"env.dataset is set, but environment {self.name!r} reads no dataset: remove "
+                             "env.dataset, or set env.name = 'dataset'")
         self.config = config
         self.max_turns = config.max_turns or self.default_max_turns
         self._eval_problems: list[Problem] | None = None  # drawn on first use, then reused

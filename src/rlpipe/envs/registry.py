@@ -1,4 +1,6 @@
-"""Environment names -> classes. Add your own with `register_environment` before configs are validated."""
+"""Environment names -> classes: rlpipe's own, and plugins named by import path or declared by installed
+packages in entry-point group `rlpipe.environments` (rlpipe.registry resolves those in every process).
+`register_environment` adds one in the calling process only (tests, notebooks)."""
 
 from collections.abc import Collection, Mapping
 
@@ -6,6 +8,7 @@ from rlpipe.envs.arithmetic import ArithmeticEnv, PlainArithmeticEnv
 from rlpipe.envs.base import Environment, Rubric
 from rlpipe.envs.calculator import CalculatorEnv
 from rlpipe.envs.code import CodeEnv
+from rlpipe.envs.dataset import DatasetEnv
 from rlpipe.registry import Registry, registered_names
 from rlpipe.schemas.task import EnvConfig
 
@@ -34,9 +37,22 @@ def graders_used(cls: type[Environment]) -> Mapping[str, Collection[str]]:
     return {"grader": tuple(cls.rubric.weights)}
 
 
+ENVIRONMENT_GROUP = "rlpipe.environments"
+"""The entry-point group in which installed packages declare environments."""
+
+
+def environment_class(kind: str, name: str, found: object) -> type[Environment]:
+    """What a plugin name loads, as an Environment class (the place where an adapter of other
+    environment libraries would wrap theirs)."""
+    if not isinstance(found, type) or not issubclass(found, Environment):
+        what = found.__qualname__ if isinstance(found, type) else repr(found)
+        raise TypeError(f"environment {name!r} names {what}, which is not a subclass of "
+                        "rlpipe.envs.base.Environment: name an Environment class")
+    return found
+
 ENVIRONMENTS: Registry[Environment] = Registry(
-    "environment", UnknownEnvironment, (ArithmeticEnv, PlainArithmeticEnv, CalculatorEnv, CodeEnv),
-    check=check_environment_class, uses=graders_used)
+    "environment", UnknownEnvironment, (ArithmeticEnv, PlainArithmeticEnv, CalculatorEnv, CodeEnv, DatasetEnv),
+    check=check_environment_class, uses=graders_used, group=ENVIRONMENT_GROUP, adapt=environment_class)
 register_environment = ENVIRONMENTS.register
 
 
