@@ -38,6 +38,10 @@ class InferenceTimeoutError(InferenceError):
     """The server accepted the connection but did not answer in time."""
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle connection to a server is kept for reuse: below the server's keep-alive timeout."""
+
+
 class ResponseLostError(InferenceError):
     """The server took the request but closed the connection without an answer.
 
@@ -102,7 +106,10 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # drop idle connections well before vLLM's uvicorn does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): at
+            # httpx's default of 5 s too, a request sent on a connection the server is closing is lost
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def __aenter__(self) -> InferenceClient:
