@@ -59,7 +59,8 @@ test: venv
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
-# Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md.
+# Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md and
+# benchmarks/results/targets.json (every performance target, its value, goal and command).
 # async_vs_sync also writes trainer_efficiency.json from its sync runs; trl_grpo runs TRL in
 # .venv-trl beside rlpipe's own runs. Under 30 min on 2 cores.
 bench: venv $(TRL_STAMP)

@@ -1,5 +1,6 @@
 """Render BENCHMARKS.md from benchmarks/results/*.json (the last `make bench`), plus the hand-written
-reading of the numbers in benchmarks/findings.md. Missing results are named, never invented.
+reading of the numbers in benchmarks/findings.md, and write benchmarks/results/targets.json (the targets
+table it opens with). Missing results are named, never invented.
 
     .venv/bin/python -m benchmarks.report
 """
@@ -13,6 +14,7 @@ from typing import Any
 from benchmarks.async_vs_sync import HEADLINE
 from benchmarks.common import RESULTS, ROOT, Summary, summarize
 from benchmarks.orchestration import TEMPORAL_DRIVERS
+from benchmarks.targets import Target, targets_table, write_targets
 
 OUT = ROOT / "BENCHMARKS.md"
 FINDINGS = ROOT / "benchmarks" / "findings.md"
@@ -272,7 +274,7 @@ def machine_line(results: list[dict[str, Any]]) -> str:
             f"suites: 1-minute load average when each benchmark started: {loads}.")
 
 
-def render() -> str:
+def render(targets: list[Target]) -> str:
     found = {name: load(name) for _, name, _ in SECTIONS}
     present = [d for d in found.values() if d]
     parts = ["# rlpipe benchmarks", "",
@@ -281,6 +283,8 @@ def render() -> str:
              "side in one process run. Nothing here is a timed assertion in the tests.", ""]
     if present:
         parts += ["**Machine.** " + machine_line(present), ""]
+    parts += ["## Targets", "", "Also in `benchmarks/results/targets.json`; each value's source and command are "
+              "there.", "", targets_table(targets), ""]
     if FINDINGS.exists():
         parts += [FINDINGS.read_text().strip(), ""]
     for title, name, section in SECTIONS:
@@ -291,7 +295,7 @@ def render() -> str:
 
 
 def main() -> None:
-    OUT.write_text(render())
+    OUT.write_text(render(write_targets()))
     print(OUT)
 
 
