@@ -120,6 +120,12 @@ class SyncConfig(Strict):
     """Largest allowed |server - trainer| logprob difference on the probe tokens. In fp32 a faithful
     load differs by ~1e-5 (docs/vllm-cpu-notes.md) and one training step moves them by ~1e-4."""
     timeout_s: float = Field(600.0, gt=0)
+    recovery_state_every: int = Field(8, ge=1)
+    """Store the optimizer state (for trainer recovery only) with a published version when at least this
+    many steps have passed since the last stored one, and after the run's last step. A restarted trainer
+    restores the newest stored state and replays the recorded steps since, so it replays fewer than
+    `recovery_state_every + interval` steps; 1 stores it with every version. The state is twice the
+    weights' size (AdamW's two moments), the largest write of a publish."""
 
 
 class EvalConfig(Strict):

@@ -2,17 +2,19 @@
 
 Each run's buffer holds the same synthetic completed groups, so every run trains on identical
 batches. The uninterrupted run: one Trainer runs steps 1..STEPS, publishing every SYNC_INTERVAL
-steps and at the last. The recovered runs must end with the same weights and optimizer state, as
-published to the store, within 1e-6 (max abs), while one step's update is far larger than that:
+steps and at the last, with the optimizer state stored every RECOVERY_STATE_EVERY steps (so after steps
+4 and 5, not 2). The recovered runs must end with the same weights and optimizer state, as published to
+the store, within 1e-6 (max abs), while one step's update is far larger than that:
 - thrown away: the Trainer is discarded after step 1 (before any trained checkpoint: restore
-  version 0, replay step 1) and after step 3 (between the checkpoints of steps 2 and 4: restore
-  version 1, replay step 3); each successor starts with an empty work directory; on one rank and
+  version 0, replay step 1), after step 3 (version 1 of step 2 has no optimizer state: restore
+  version 0, replay steps 1..3) and after step 4 (restore version 2, which has it: nothing to
+  replay); each successor starts with an empty work directory; on one rank and
   two, with one optimiser step per train step and with four (2 epochs x 2 mini-batches, decoupled
   PPO anchored at the proximal policy recorded before the first);
 - SIGKILLed: a child process (with its data-parallel ranks) is killed inside step 4, after it
   claimed and trained but before it published or committed -- or, with four optimiser steps per
   train step, between its two epochs, when two of them have moved the weights in memory; a new
-  process restores version 1, replays step 3 and redoes step 4 on the batch step 4 had already claimed.
+  process restores version 0, replays steps 1..3 and redoes step 4 on the batch step 4 had already claimed.
 """
 
 from __future__ import annotations
@@ -47,12 +49,19 @@ from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import register_run
 from rlpipe.trainer.trainer import Trainer
-from rlpipe.weights.checkpoints import download_checkpoint, load_manifest, manifest_key, train_state_key
+from rlpipe.weights.checkpoints import (
+    download_checkpoint,
+    load_manifest,
+    manifest_key,
+    stored_train_states,
+    train_state_key,
+)
 
 pytestmark = pytest.mark.stack
 
 STEPS = 5
 SYNC_INTERVAL = 2            # versions: v0 (base), v1 (step 2), v2 (step 4), v3 (step 5, the last)
+RECOVERY_STATE_EVERY = 3     # optimizer state stored with v2 (4 - 0 >= 3) and v3 (the last), not v1
 GROUP_SIZE, GROUPS_PER_STEP = 4, 2
 TOLERANCE = 1e-6
 CHILD_TIMEOUT_S = 300
@@ -70,7 +79,7 @@ def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bo
         "model": {"path": str(tiny_model)},
         "rollout": {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP},
         "batch": {"world_size": world_size, "micro_batches": 2, **updates},
-        "sync": {"interval": SYNC_INTERVAL},
+        "sync": {"interval": SYNC_INTERVAL, "recovery_state_every": RECOVERY_STATE_EVERY},
         "loss": {"kl_coef": 0.05, **({"off_policy": "decoupled"} if several_updates else {})},
         "optim": {"lr": 1e-3},
     })
@@ -245,7 +254,7 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
         object_store: ObjectStore, tiny_model: Path, tmp_path: Path) -> None:
     baseline, want = uninterrupted(world_size, several_updates)
     cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
-    for steps in (range(1, 2), range(2, 4), range(4, STEPS + 1)):   # thrown away after steps 1 and 3
+    for steps in (range(1, 2), range(2, 4), range(4, 5), range(5, STEPS + 1)):   # thrown away after 1, 3 and 4
         trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}")
         try:
             run_steps(trainer, cfg, steps)
@@ -254,11 +263,15 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
     metrics = step_metrics(migrated_db, cfg.name)
     assert_replayed(metrics[2], version=0, steps=1)
-    assert_replayed(metrics[4], version=1, steps=1)
-    assert all("replayed_steps" not in metrics[s] for s in (1, 3, 5))
-    # every step records its phases (benchmarks/trainer_efficiency.py); only publishing steps the publish's
+    assert_replayed(metrics[4], version=0, steps=3)
+    assert_replayed(metrics[5], version=2, steps=0)
+    assert all("replayed_steps" not in metrics[s] for s in (1, 3))
+    assert stored_train_states(object_store, cfg.name) == {4, 5}
+    # every step records its phases (benchmarks/trainer_efficiency.py); only publishing steps the publish's,
+    # and only those that store the optimizer state its seconds
     train_phases, publish_phases = {"claim_s", "read_s", "plan_s", "engine_s"}, {"save_s", "upload_s", "probe_s"}
-    assert train_phases | publish_phases | {"train_state_s"} <= metrics[2].keys()
+    assert train_phases | publish_phases <= metrics[2].keys() and "train_state_s" not in metrics[2]
+    assert train_phases | publish_phases | {"train_state_s"} <= metrics[4].keys()
     assert train_phases <= metrics[3].keys() and not publish_phases & metrics[3].keys()
     # replay read the recorded claims and claimed nothing: every group once, by the same step as before
     assert claimed_steps(migrated_db, cfg.name) == claimed_steps(migrated_db, baseline.name)
@@ -295,7 +308,7 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
     with trainer_process(cfg, range(4, STEPS + 1), tmp_path / "second", child_env) as second:
         assert second.wait(timeout=CHILD_TIMEOUT_S) == 0, (tmp_path / "second" / "stderr.log").read_text()[-3000:]
     assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
-    assert_replayed(step_metrics(migrated_db, cfg.name)[4], version=1, steps=1)
+    assert_replayed(step_metrics(migrated_db, cfg.name)[4], version=0, steps=3)
 
 
 # -- the child process ----------------------------------------------------------------------------

@@ -9,9 +9,10 @@
                     commit: train_steps row (+ policy_versions row) in one transaction
 
 Exact recovery. Publishing version v after step k stores the weights (what inference servers load)
-and, beside them, the optimizer state after step k (`train_state_key`, read only by recovery). A
-trainer whose memory does not hold step s - 1 (a new process, another run, a failed step) loads the
-newest version with trained_steps <= s - 1 and replays steps k + 1 .. s - 1 on their recorded
+and, every `sync.recovery_state_every` steps, the optimizer state after step k beside them
+(`train_state_key`, read only by recovery). A trainer whose memory does not hold step s - 1 (a new
+process, another run, a failed step) loads the newest version with trained_steps <= s - 1 whose
+optimizer state is stored (or the base, version 0) and replays steps k + 1 .. s - 1 on their recorded
 batches (`claimed_trajectories`: the groups each committed step claimed; a replay claims nothing).
 A step's batch, plan and seed are pure functions of what Postgres holds, so the replay redoes the
 same arithmetic and the parameters equal those of a trainer that never stopped.
@@ -49,6 +50,7 @@ from rlpipe.weights.checkpoints import (
     load_manifest,
     local_version_dir,
     manifest_key,
+    stored_train_states,
     train_state_key,
     upload_checkpoint,
 )
@@ -127,7 +129,7 @@ class Trainer:
         run_id = ctx.config.name
         if self.engine is not None and self.run_id == run_id and self.applied_step == step:
             return {}
-        base = self._newest_version(run_id, step)
+        base = self._restore_base(run_id, step)
         log.info("restoring run %s: version %d (step %d), replaying steps %d..%d", run_id, base.version,
                  base.trained_steps, base.trained_steps + 1, step)
         directory = local_version_dir(self.work_dir, run_id, base.version)
@@ -171,16 +173,29 @@ class Trainer:
         return (metrics | batch_metrics(samples, updates, stale) | trajectory_metrics(rows)
                 | {"staleness": stale})  # per trajectory, for metrics
 
-    def _newest_version(self, run_id: str, step: int) -> PolicyVersion:
-        """The newest published version trained for at most `step` steps: where a restore starts."""
+    def _restore_base(self, run_id: str, step: int) -> PolicyVersion:
+        """Where a restore to `step` starts: the newest published version trained for at most `step`
+        steps whose optimizer state is stored, or the base model (version 0, a fresh optimizer)."""
+        states = stored_train_states(self.store, run_id)
         with self.db.begin() as s:
-            base = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
-                                                            PolicyVersion.trained_steps <= step)
-                             .order_by(PolicyVersion.version.desc()).limit(1)).first()
+            versions = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
+                                                                PolicyVersion.trained_steps <= step)
+                                 .order_by(PolicyVersion.version.desc())).all()
+        base = next((v for v in versions if v.trained_steps == 0 or v.trained_steps in states), None)
         if base is None:
             raise RuntimeError(f"run {run_id} has no published version at or before step {step}: "
                                "init_policy must run first")
         return base
+
+    def _stores_train_state(self, ctx: RunContext, trained_steps: int) -> bool:
+        """Whether the version published after `trained_steps` steps carries the optimizer state: after
+        the run's last step, or `sync.recovery_state_every` steps after the last stored state (the
+        same answer when a failed step is retried: only states before it count)."""
+        cfg = ctx.config
+        if trained_steps == cfg.steps:
+            return True
+        earlier = [k for k in stored_train_states(self.store, cfg.name) if k < trained_steps]
+        return trained_steps - max(earlier, default=0) >= cfg.sync.recovery_state_every
 
     def _load_train_state(self, run_id: str, step: int) -> dict[str, Any]:
         """The optimizer state stored when the version of step `step` was published."""
@@ -192,8 +207,9 @@ class Trainer:
     # -- publishing and committing ------------------------------------------------------------------
     def _publish(self, ctx: RunContext, version: int, trained_steps: int,
                  timings: dict[str, float] | None = None) -> tuple[Manifest, dict]:
-        """Upload the engine's weights as `version` and, after a trained step, its optimizer state
-        (for recovery only: never part of the inference checkpoint); returns the manifest and the
+        """Upload the engine's weights as `version` and, after a trained step where the recovery policy
+        asks for it, its optimizer state (for recovery only: never part of the inference checkpoint);
+        returns the manifest and the
         probe with the trainer's reference logprobs, computed where the weights live. `timings`
         gets the seconds of each part (the profile of benchmarks/trainer_efficiency.py)."""
         assert self.engine is not None
@@ -204,7 +220,7 @@ class Trainer:
                 save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
             with timed(timings, "upload_s"):
                 manifest = upload_checkpoint(self.store, run_id, version, trained_steps, directory)
-            if trained_steps > 0:
+            if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
                 with timed(timings, "train_state_s"):
                     state_file = Path(tmp) / "train-state.pt"
                     torch.save(self.engine.optimizer_state_dict(), state_file)

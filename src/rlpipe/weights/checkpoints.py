@@ -59,6 +59,12 @@ def train_state_key(run_id: str, step: int) -> str:
     return f"runs/{run_id}/train-state/step-{step:06d}.pt"
 
 
+def stored_train_states(store: ObjectStore, run_id: str) -> set[int]:
+    """The steps after which the run's optimizer state is in the store (a put is whole or absent)."""
+    prefix = f"runs/{run_id}/train-state/step-"
+    return {int(info.key[len(prefix):-len(".pt")]) for info in store.list(prefix) if info.key.endswith(".pt")}
+
+
 def upload_checkpoint(store: ObjectStore, run_id: str, version: int, trained_steps: int,
                       directory: Path) -> Manifest:
     """Upload every file of a checkpoint directory (identical files are stored once) and its
