@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rlpipe.registry import unusable
 from rlpipe.schemas.dataset import DatasetConfig
+from rlpipe.schemas.verifiers import VerifiersConfig
 
 ArithmeticOperator = Literal["+", "-", "*"]
 MAX_STRUCTURED_SCORE = 100  # a structured judge chooses among max_score + 1 replies
@@ -79,6 +80,10 @@ class EnvConfig(BaseModel):
     """The data of the 'dataset' environment (and of plugins built on it): files, columns, system prompt
     and the train/eval split. Its train and eval sets come from the data, so train_size and eval_size
     do not apply."""
+    verifiers: VerifiersConfig | None = None
+    """For env.name = 'verifiers': an installed `verifiers` environment, its load arguments and eval split
+    (docs/own-tasks.md). Its tasks are the taskset's, so train_size, eval_size and difficulty do not apply;
+    max_turns defaults to 4 with tools, 1 without."""
 
     @field_validator("name")
     @classmethod
@@ -94,15 +99,27 @@ class EnvConfig(BaseModel):
             raise ValueError("env.name 'dataset' needs env.dataset: set at least env.dataset.path "
                              "(a JSONL or Parquet file, or a directory saved by `datasets`)")
         if self.dataset is not None:
-            # compared with the defaults, not `model_fields_set`: a config that went through JSON (Temporal's
-            # payloads, the runs table) has every field set
-            sized = [name for name in ("train_size", "eval_size", "difficulty")
-                     if getattr(self, name) != EnvConfig.model_fields[name].default]
-            if sized:
-                raise ValueError(f"env.{', env.'.join(sized)} {'does' if len(sized) == 1 else 'do'} not apply to a "
-                                 "dataset, whose rows are the prompts: remove it; env.dataset.eval_rows sets the "
-                                 "eval split's size")
+            self._refuse_sizes(("train_size", "eval_size", "difficulty"), "a dataset, whose rows are the prompts",
+                               "env.dataset.eval_rows sets the eval split's size")
+        if self.name == "verifiers" and self.verifiers is None:
+            raise ValueError("env.name 'verifiers' needs env.verifiers: set at least env.verifiers.id, the installed "
+                             "environment's id (e.g. 'vf-sums')")
+        if self.verifiers is not None:
+            if self.name != "verifiers":
+                raise ValueError(f"env.verifiers is set, but env.name is {self.name!r}: set env.name = 'verifiers', "
+                                 "or remove env.verifiers")
+            self._refuse_sizes(("train_size", "eval_size", "difficulty"),
+                               "a verifiers environment, whose taskset holds the prompts",
+                               "env.verifiers.eval_tasks sets the eval split's size")
         return self
+
+    def _refuse_sizes(self, names: tuple[str, ...], what: str, instead: str) -> None:
+        # compared with the defaults, not `model_fields_set`: a config that went through JSON (Temporal's
+        # payloads, the runs table) has every field set
+        sized = [name for name in names if getattr(self, name) != EnvConfig.model_fields[name].default]
+        if sized:
+            raise ValueError(f"env.{', env.'.join(sized)} {'does' if len(sized) == 1 else 'do'} not apply to "
+                             f"{what}: remove it; {instead}")
 
 
 DEFAULT_JUDGE_TEMPLATE = """You are grading a response to a task.

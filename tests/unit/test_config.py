@@ -69,7 +69,7 @@ def test_configuration_reference_is_current() -> None:
 
 
 MISGRADED = ("env 'misgraded' grades with its rubric (answer_match, answer_mtch), but grader(s) answer_mtch are not "
-             "registered (known graders: answer_match, code_tests, final_number, judge)")
+             "registered (known graders: answer_match, code_tests, final_number, judge, verifiers_rubric)")
 
 
 @pytest.fixture

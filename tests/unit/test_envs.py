@@ -388,7 +388,7 @@ async def test_a_broken_sandbox_raises_instead_of_becoming_an_observation() -> N
 
 
 def test_unknown_environment_lists_the_known_ones() -> None:
-    known = "known environments: arithmetic, arithmetic_plain, calculator, code, dataset"
+    known = "known environments: arithmetic, arithmetic_plain, calculator, code, dataset, verifiers"
     with pytest.raises(UnknownEnvironment, match=f"unknown environment 'chess'; {known}"):
         rlpipe.envs.registry.ENVIRONMENTS.get("chess")
     with pytest.raises(ValidationError, match="env.name 'chess' is not a registered environment"):

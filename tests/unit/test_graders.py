@@ -471,7 +471,7 @@ async def test_invalid_grades_are_not_cached() -> None:
 
 
 def test_unknown_grader_lists_the_known_ones() -> None:
-    known = "known graders: answer_match, code_tests, final_number, judge"
+    known = "known graders: answer_match, code_tests, final_number, judge, verifiers_rubric"
     with pytest.raises(UnknownGrader, match=f"unknown grader 'bleu'; {known}"):
         GRADERS.get("bleu")
     with pytest.raises(ValidationError, match="grader.name 'bleu' is not a registered grader"):

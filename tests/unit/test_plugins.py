@@ -21,8 +21,8 @@ from rlpipe.graders.registry import GRADERS, build_rubric_graders
 from rlpipe.schemas.config import ConfigError, parse_run_config
 from rlpipe.schemas.task import EnvConfig, GraderConfig
 
-KNOWN_ENVS = "known environments: arithmetic, arithmetic_plain, calculator, code, dataset"
-KNOWN_GRADERS = "known graders: answer_match, code_tests, final_number, judge"
+KNOWN_ENVS = "known environments: arithmetic, arithmetic_plain, calculator, code, dataset, verifiers"
+KNOWN_GRADERS = "known graders: answer_match, code_tests, final_number, judge, verifiers_rubric"
 
 ENV_MODULE = '''
 import random

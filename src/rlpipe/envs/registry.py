@@ -9,6 +9,7 @@ from rlpipe.envs.base import Environment, Rubric
 from rlpipe.envs.calculator import CalculatorEnv
 from rlpipe.envs.code import CodeEnv
 from rlpipe.envs.dataset import DatasetEnv
+from rlpipe.envs.verifiers_env import VerifiersEnv
 from rlpipe.registry import Registry, registered_names
 from rlpipe.schemas.task import EnvConfig
 
@@ -51,7 +52,8 @@ def environment_class(kind: str, name: str, found: object) -> type[Environment]:
     return found
 
 ENVIRONMENTS: Registry[Environment] = Registry(
-    "environment", UnknownEnvironment, (ArithmeticEnv, PlainArithmeticEnv, CalculatorEnv, CodeEnv, DatasetEnv),
+    "environment", UnknownEnvironment, (ArithmeticEnv, PlainArithmeticEnv, CalculatorEnv, CodeEnv, DatasetEnv,
+                    VerifiersEnv),
     check=check_environment_class, uses=graders_used, group=ENVIRONMENT_GROUP, adapt=environment_class)
 register_environment = ENVIRONMENTS.register
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpipe.envs.base import Environment, Executor, Rubric, Task
-from rlpipe.envs.toolcalls import ToolCalls
+from rlpipe.envs.toolcalls import ToolCalls, to_clean_text
 from rlpipe.graders.base import Grader
+from rlpipe.graders.conversation import Message, assistant_message, conversation_text, tool_message
 from rlpipe.inference.client import InferenceClient
 from rlpipe.policy.chat import chat_prompt_ids
 from rlpipe.rollout.tokens import observation_ids
@@ -47,11 +48,22 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+@dataclass(frozen=True)
+class GreedyEpisode:
+    text: str  # the final model message
+    version: str  # the weight version label of the server that played it
+    messages: list[Message]  # the whole episode, for graders that read it (graders.conversation)
+
+    def graded_text(self, grader: Grader) -> str:
+        return conversation_text(self.messages) if grader.reads_conversation else self.text
+
+
 async def greedy_episode(client: InferenceClient, env: Environment, task: Task, tokenizer: Any, executor: Executor,
-                         max_tokens: int, max_model_len: int) -> tuple[str, str]:
-    """Play one episode greedily; returns (the final model message, the weight version label)."""
+                         max_tokens: int, max_model_len: int) -> GreedyEpisode:
+    """Play one episode greedily."""
     context = chat_prompt_ids(tokenizer, env.initial_messages(task))
     text, version = "", ""
+    messages: list[Message] = []
     for turn in range(env.max_turns):
         budget = min(max_tokens, max_model_len - len(context))
         if budget < 1:
@@ -62,11 +74,15 @@ async def greedy_episode(client: InferenceClient, env: Environment, task: Task, 
         version = completion.weight_version
         action = env.step(task, text)
         if not isinstance(action, ToolCalls) or turn + 1 == env.max_turns:
+            messages.append(assistant_message(text, []))
             break
         results = [await env.run_tool(call, executor) for call in action.calls]
+        messages.append(assistant_message(text, [(call.name, call.arguments) for call in action.calls]))
+        messages += [tool_message(call.name, result.ok, to_clean_text(result.output), result.reason)
+                     for call, result in zip(action.calls, results, strict=True)]
         observations = [env.observation(c, r) for c, r in zip(action.calls, results, strict=True)]
         context += completion.token_ids + observation_ids(tokenizer, observations)
-    return text, version
+    return GreedyEpisode(text, version, messages)
 
 
 async def evaluate(client: InferenceClient, env: Environment, tokenizer: Any, executor: Executor, rubric: Rubric,
@@ -78,9 +94,10 @@ async def evaluate(client: InferenceClient, env: Environment, tokenizer: Any, ex
 
     async def one(task: Task) -> tuple[float, str]:
         async with limit:
-            text, version = await greedy_episode(client, env, task, tokenizer, executor, max_tokens, max_model_len)
-            scores = {name: (await grader.grade(task, text)).score for name, grader in graders.items()}
-            return rubric.reward(scores), version
+            episode = await greedy_episode(client, env, task, tokenizer, executor, max_tokens, max_model_len)
+            scores = {name: (await grader.grade(task, episode.graded_text(grader))).score
+                      for name, grader in graders.items()}
+            return rubric.reward(scores), episode.version
 
     results = await asyncio.gather(*(one(t) for t in tasks))
     rewards = [r for r, _ in results]

@@ -64,10 +64,13 @@ class GraderDeps:
 
 class Grader(ABC):
     """Subclasses set `name` (registry key) and `version` (bump it whenever verdicts may change,
-    since cached grades are keyed on it) and implement `score`."""
+    since cached grades are keyed on it) and implement `score`; `reads_conversation` hands them the
+    whole episode instead of the last model message."""
 
     name: ClassVar[str]
     version: str
+    reads_conversation: ClassVar[bool] = False
+    """True: `response_text` is the whole episode (graders.conversation), not its last model message."""
 
     @classmethod
     def from_config(cls, config: GraderConfig, deps: GraderDeps) -> "Grader":

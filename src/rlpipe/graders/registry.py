@@ -13,6 +13,7 @@ from rlpipe.graders.base import Grader, GraderDeps
 from rlpipe.graders.function import function_grader
 from rlpipe.graders.judge import JudgeGrader
 from rlpipe.graders.rules import AnswerMatchGrader, CodeTestsGrader, FinalNumberGrader
+from rlpipe.graders.verifiers_rubric import VerifiersRubricGrader
 from rlpipe.registry import Registry
 from rlpipe.schemas.task import GraderConfig
 
@@ -39,7 +40,8 @@ def grader_class(kind: str, name: str, found: object) -> type[Grader]:
 
 
 GRADERS: Registry[Grader] = Registry(
-    "grader", UnknownGrader, (AnswerMatchGrader, FinalNumberGrader, CodeTestsGrader, JudgeGrader),
+    "grader", UnknownGrader, (AnswerMatchGrader, FinalNumberGrader, CodeTestsGrader, JudgeGrader,
+                                VerifiersRubricGrader),
     group=GRADER_GROUP, adapt=grader_class)
 register_grader = GRADERS.register
 

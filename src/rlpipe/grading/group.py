@@ -1,5 +1,6 @@
-"""Grading a finished group: each kept trajectory's final message through the run's rubric,
-with the Postgres cache in front of every grader, and one `grades` row per (trajectory, grader)."""
+"""Grading a finished group: each kept trajectory's final message (or its whole conversation, for a grader
+that reads it) through the run's rubric, with the Postgres cache in front of every grader, and one `grades`
+row per (trajectory, grader)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sqlalchemy.dialects.postgresql import insert
 from rlpipe.envs.base import Rubric, Task
 from rlpipe.graders.base import Grader
 from rlpipe.graders.cache import grade_with_cache
+from rlpipe.graders.conversation import conversation_text, stored_turn_messages
 from rlpipe.observe.metrics import METRICS
 from rlpipe.schemas.tables import Grade, Trajectory, Turn
 from rlpipe.storage.db import Database
@@ -40,10 +42,25 @@ def final_messages(db: Database, trajectory_ids: Sequence[int]) -> dict[int, str
     return texts
 
 
+def conversations(db: Database, trajectory_ids: Sequence[int]) -> dict[int, str]:
+    """Each trajectory's episode as `graders.conversation` text: its model messages and tool results."""
+    with db.begin() as s:
+        turns = s.execute(sa.select(Turn.trajectory_id, Turn.output_text, Turn.tool_calls)
+                          .where(Turn.trajectory_id.in_(trajectory_ids))
+                          .order_by(Turn.trajectory_id, Turn.turn_index)).all()
+    messages: dict[int, list[dict]] = {t: [] for t in trajectory_ids}
+    for turn in turns:
+        messages[turn.trajectory_id] += stored_turn_messages(turn.output_text, turn.tool_calls)
+    return {t: conversation_text(m) for t, m in messages.items()}
+
+
 async def grade_group(db: Database, task: Task, trajectory_ids: Sequence[int], rubric: Rubric,
                       graders: dict[str, Grader], concurrency: int) -> GroupGrades:
     """Rewards (rubric-weighted grader scores) of the trajectories, in the given order."""
     texts = await asyncio.to_thread(final_messages, db, trajectory_ids)
+    episodes = {}
+    if any(graders[name].reads_conversation for name in rubric.weights):
+        episodes = await asyncio.to_thread(conversations, db, trajectory_ids)
     limit = asyncio.Semaphore(concurrency)
     hits = 0
 
@@ -52,8 +69,9 @@ async def grade_group(db: Database, task: Task, trajectory_ids: Sequence[int], r
         grader = graders[name]
         async with limit:
             started = time.monotonic()
-            result, hit = await grade_with_cache(grader, PostgresGradeCache(db, grader.name, grader.version), task,
-                                                 texts[trajectory_id])
+            text = (episodes if grader.reads_conversation else texts)[trajectory_id]
+            cache = PostgresGradeCache(db, grader.name, grader.version)
+            result, hit = await grade_with_cache(grader, cache, task, text)
             latency = time.monotonic() - started
         hits += hit
         METRICS.observe_grade(grader.name, latency, hit)
