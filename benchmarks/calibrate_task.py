@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import signal
 import statistics
 import subprocess
@@ -313,8 +314,9 @@ class Server:
     def __init__(self, model_dir: Path, max_model_len: int, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # the calibration only samples: the admin routes stay shut behind a token nobody keeps
         argv, env = vllm_command(model_dir, "127.0.0.1", self.port, served_model_name=SERVED_MODEL_NAME,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, admin_token=secrets.token_urlsafe(32))
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,

@@ -94,9 +94,10 @@ async def measure(address: str, default_sqlite_address: str, namespace: str, rep
     from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
     from benchmarks.common import progress_bar, summarize
+    from rlpipe.infra.temporal_client import TemporalConnection, connect_temporal
 
-    client = await Client.connect(address, namespace=namespace)
-    default_sqlite_client = await Client.connect(default_sqlite_address, namespace=namespace)
+    client = await connect_temporal(TemporalConnection(address, namespace))
+    default_sqlite_client = await connect_temporal(TemporalConnection(default_sqlite_address, namespace))
     queue = f"bench-orchestration-{uuid.uuid4().hex[:8]}"
     plain_queue = f"{queue}-unsandboxed"
 

@@ -215,7 +215,8 @@ async def measure_syncs(stack, model: Path, checkpoints: list[Checkpoint], repea
     db, store = Database(endpoints.database_url), ObjectStore.from_endpoints(endpoints)
     url, shared = stack.service("inference-0").address(), scratch / "trainer"
     sidecars = {where: Sidecar(db, store, f"bench-{where}", url, scratch / f"sidecar-{where}",
-                               model_name=SERVED_MODEL_NAME, shared_dir=shared if where == "shared" else None)
+                               model_name=SERVED_MODEL_NAME, admin_token=endpoints.inference_token,
+                               shared_dir=shared if where == "shared" else None)
                 for where in ("s3", "shared")}
     plan = [next(iter(PATHS))] + [label for _ in range(repeats) for label in PATHS]
     syncs: list[dict[str, Any]] = []

@@ -26,6 +26,8 @@ class StackNotRunning(RuntimeError):
 class Endpoints:
     temporal_address: str
     temporal_namespace: str
+    temporal_external: bool
+    """An external cluster: connections take the Temporal profile's API key and TLS (infra/temporal_client.py)."""
     database_url: str
     s3_endpoint: str | None
     s3_access_key: str | None = field(repr=False)
@@ -34,9 +36,12 @@ class Endpoints:
     bucket: str
     inference_urls: list[str]
     temporal_ui_url: str | None
+    inference_token: str | None = field(repr=False)
+    """What the inference servers' admin routes (pause, reload) take (inference/admin_guard.py)."""
 
 
 def resolve_endpoints(settings: StackSettings) -> Endpoints:
+    from rlpipe.infra.inference import inference_token
     from rlpipe.infra.postgres import PostgresService
     from rlpipe.infra.seaweed import SeaweedService
 
@@ -55,6 +60,7 @@ def resolve_endpoints(settings: StackSettings) -> Endpoints:
     return Endpoints(
         temporal_address=settings.temporal_address,
         temporal_namespace=settings.temporal_namespace,
+        temporal_external=settings.external_temporal is not None,
         database_url=database_url,
         s3_endpoint=settings.s3_endpoint,
         s3_access_key=key,
@@ -63,6 +69,7 @@ def resolve_endpoints(settings: StackSettings) -> Endpoints:
         bucket=settings.bucket,
         inference_urls=settings.inference_urls(),
         temporal_ui_url=settings.temporal_ui_url,
+        inference_token=inference_token(settings),
     )
 
 
@@ -149,10 +156,11 @@ def _check_s3(settings: StackSettings) -> None:
 def _check_temporal(settings: StackSettings) -> None:
     import asyncio
 
-    from temporalio.client import Client
+    from rlpipe.infra.temporal_client import connect_temporal, temporal_connection
 
     async def probe() -> None:
-        client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        client = await connect_temporal(temporal_connection(settings.temporal_address, settings.temporal_namespace,
+                                                            external=True))
         await client.service_client.check_health()
 
     asyncio.run(probe())

@@ -8,6 +8,7 @@ Temporal cluster, a managed Postgres, AWS S3 or GPU vLLM servers instead of the 
 | `RLPIPE_HOME` | state directory of the local stack (data, logs, pid records) |
 | `TEMPORAL_ADDRESS` | host:port of an external Temporal frontend; the local dev server is not started |
 | `TEMPORAL_NAMESPACE` | Temporal namespace (default `default`) |
+| `TEMPORAL_API_KEY`, `TEMPORAL_TLS_*`, `TEMPORAL_PROFILE`, ... | Temporal's own client settings (temporal_client.py) |
 | `DATABASE_URL` | an external Postgres; the embedded one is not started |
 | `S3_ENDPOINT_URL` | an external S3-compatible endpoint; SeaweedFS is not started (empty string = AWS) |
 | `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_REGION` | S3 credentials for an external endpoint |
@@ -121,8 +122,6 @@ class SettingsError(ValueError):
 
 _ENV_FIELDS = {
     "RLPIPE_HOME": "home",
-    "TEMPORAL_ADDRESS": "external_temporal",
-    "TEMPORAL_NAMESPACE": "temporal_namespace",
     "DATABASE_URL": "external_database_url",
     "S3_ENDPOINT_URL": "external_s3_endpoint",
     "RLPIPE_BUCKET": "bucket",
@@ -138,6 +137,23 @@ def save_settings(settings: StackSettings) -> None:
     home = settings.home.resolve()
     home.mkdir(parents=True, exist_ok=True)
     (home / SAVED_SETTINGS).write_text(settings.model_dump_json(indent=2, exclude_unset=True))
+
+
+def _temporal_profile_values(env: dict[str, str]) -> dict[str, object]:
+    """TEMPORAL_ADDRESS and TEMPORAL_NAMESPACE, or a Temporal config-file profile's address and namespace."""
+    # imported here: temporal_client loads temporalio's native bridge, which most settings readers never need
+    from rlpipe.infra.temporal_client import TemporalSettingsError, load_profile
+
+    try:
+        profile = load_profile(env)
+    except TemporalSettingsError as exc:
+        raise SettingsError(str(exc)) from exc
+    values: dict[str, object] = {}
+    if profile.address:
+        values["external_temporal"] = profile.address
+    if profile.namespace:
+        values["temporal_namespace"] = profile.namespace
+    return values
 
 
 def load_settings(config_file: Path | None = None, env: dict[str, str] | None = None) -> StackSettings:
@@ -159,6 +175,7 @@ def load_settings(config_file: Path | None = None, env: dict[str, str] | None = 
     for var, field in _ENV_FIELDS.items():
         if var in env:
             values[field] = env[var]
+    values.update(_temporal_profile_values(env))
     if env.get("INFERENCE_URLS"):
         values["external_inference_urls"] = [u.strip() for u in env["INFERENCE_URLS"].split(",") if u.strip()]
     try:

@@ -2,7 +2,8 @@
 stack's directory (workflow state survives a restart) and the Web UI.
 
 The project's custom search attributes are registered at every start: `start-dev` makes the
-registration idempotent, and they let the UI and `temporal workflow list` filter runs.
+registration idempotent, and they let the UI and `temporal workflow list` filter runs. Any other
+cluster gets them from `rlpipe temporal prepare` (temporal_cluster.py).
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class TemporalService(Service):
     def check_health(self) -> None:
         import asyncio
 
-        from temporalio.client import Client
+        from rlpipe.infra.temporal_client import TemporalConnection, connect_temporal
 
         async def probe() -> None:
-            connecting = Client.connect(self.address(), namespace=self.settings.temporal_namespace)
+            connecting = connect_temporal(TemporalConnection(self.address(), self.settings.temporal_namespace))
             client = await asyncio.wait_for(connecting, 3)
             await client.service_client.check_health()
 

@@ -18,6 +18,9 @@ from typing import Any, Literal
 
 import httpx
 
+from rlpipe.inference.admin_guard import TOKEN_ENV as ADMIN_TOKEN_ENV
+from rlpipe.inference.admin_guard import AdminGuard
+
 DEFAULT_MAX_NUM_SEQS = 64  # batch cap; on 2 cores throughput is flat past ~32 concurrent requests
 MAX_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE cap; fp32 SmolLM2 KV is 45 KiB/token: 46k tokens
 DEFAULT_DTYPE: Literal["float32"] = "float32"  # the trainer's dtype: logprobs then agree to ~1e-4
@@ -41,10 +44,12 @@ def vllm_command(
     kv_cache_gib: int | None = None,
     enforce_eager: bool = True,
     cpu_threads_bind: str = "auto",
+    admin_token: str,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and environment that start vLLM's OpenAI server with the RL/dev endpoints.
+    """argv and environment that start vLLM's OpenAI server with the RL/dev endpoints, which only
+    callers sending `admin_token` may use (rlpipe.inference.admin_guard).
 
     `vllm serve` crashes on this install (package-name lookup), so the module is run directly.
     The returned environment is the current one plus vLLM's settings; pass it to Popen as is.
@@ -80,6 +85,8 @@ def vllm_command(
         "--enable-scale-out",
         # adds reload_weights_tied to the workers (see WeightReloadExtension)
         "--worker-extension-cls", f"{__name__}.{WeightReloadExtension.__name__}",
+        # the dev-mode routes (pause, reload, ...) answer only callers with the admin token
+        "--middleware", f"{AdminGuard.__module__}.{AdminGuard.__name__}",
     ]  # fmt: skip
     if enforce_eager:
         argv.append("--enforce-eager")  # skips the inductor compile: much faster start on 2 cores
@@ -89,6 +96,7 @@ def vllm_command(
     env.update(
         {
             "VLLM_SERVER_DEV_MODE": "1",  # mounts /pause, /resume, /collective_rpc, /reset_prefix_cache
+            ADMIN_TOKEN_ENV: admin_token,  # what AdminGuard checks them against
             "VLLM_CPU_KVCACHE_SPACE": str(kv_space),
             "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind,
             "VLLM_NO_USAGE_STATS": "1",

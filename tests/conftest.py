@@ -189,13 +189,26 @@ def inference_servers(stack: Stack, tiny_model: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def spare_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def spare_server_settings(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> StackSettings:
+    return StackSettings(home=tmp_path_factory.mktemp("spare-server"), inference_servers=1,
+                         inference_base_port=free_port_block(1), inference_model=tiny_model)
+
+
+@pytest.fixture(scope="session")
+def spare_server_token(spare_server_settings: StackSettings) -> str:
+    """What the spare server's admin routes (pause, reload, ...) take."""
+    from rlpipe.infra.inference import local_inference_token
+
+    return local_inference_token(spare_server_settings)
+
+
+@pytest.fixture(scope="session")
+def spare_server(spare_server_settings: StackSettings) -> Iterator[str]:
     """A vLLM server with the tiny model that no worker uses (own state directory and port), for
     tests that load weights into it and pause it; started once (~35 s), stopped at the end."""
     from rlpipe.infra.inference import InferenceService
 
-    settings = StackSettings(home=tmp_path_factory.mktemp("spare-server"), inference_servers=1,
-                             inference_base_port=free_port_block(1), inference_model=tiny_model)
+    settings = spare_server_settings
     stack, service = Stack(settings), InferenceService(settings, 0)
     stack.start(service, progress=lambda msg: None)
     try:

@@ -24,6 +24,7 @@ import rlpipe.graders.registry  # noqa: F401
 from rlpipe.infra.endpoints import Endpoints, resolve_endpoints
 from rlpipe.infra.process import free_port
 from rlpipe.infra.settings import load_settings
+from rlpipe.infra.temporal_client import TemporalUnreachable, connect_temporal, temporal_connection
 from rlpipe.security.codec import EncryptionCodec
 
 # Modules that workflow code imports (through `imports_passed_through`) and that must be shared
@@ -51,15 +52,15 @@ once and its queue has no poller until someone restarts it (a chaos run found th
 
 async def connect(ep: Endpoints, runtime: Runtime | None = None, wait_s: float = 0.0) -> Client:
     """A client of the run's Temporal; `wait_s` > 0 retries a refused first connection that long."""
+    conn = temporal_connection(ep.temporal_address, ep.temporal_namespace, external=ep.temporal_external)
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return await Client.connect(ep.temporal_address, namespace=ep.temporal_namespace,
-                                        data_converter=data_converter(), runtime=runtime)
-        except RuntimeError as exc:  # the SDK's "Failed client connect"
+            return await connect_temporal(conn, data_converter=data_converter(), runtime=runtime)
+        except TemporalUnreachable as exc:
             if time.monotonic() >= deadline:
                 raise
-            logging.getLogger("rlpipe").warning("Temporal at %s unreachable (%s); retrying", ep.temporal_address, exc)
+            logging.getLogger("rlpipe").warning("%s; retrying", exc)
             await asyncio.sleep(2.0)
 
 

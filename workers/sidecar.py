@@ -43,6 +43,7 @@ async def run_sidecar_worker(server: str) -> None:
     shared = os.environ.get(SHARED_CHECKPOINTS_ENV)
     sidecar = Sidecar(db, ObjectStore.from_endpoints(ep), server, urls[server],
                       load_settings().home.resolve() / f"sidecar-{server}", model_name=SERVED_MODEL_NAME,
+                      admin_token=ep.inference_token,
                       shared_dir=Path(shared).resolve() if shared else None,
                       on_state=_signal_run(client, db, server))
     worker = Worker(client, task_queue=sync_queue(server), activities=[SyncActivities(db, sidecar).sync_weights])

@@ -54,6 +54,7 @@ from rlpipe.graders.rules import AnswerMatchGrader
 from rlpipe.grading.group import grade_group
 from rlpipe.inference.admin import InferenceAdmin
 from rlpipe.inference.client import InferenceClient
+from rlpipe.infra.endpoints import Endpoints
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.infra.stack import Stack
 from rlpipe.rollout.generation import ContextTooLong, TurnPlan, sample_turn
@@ -454,7 +455,7 @@ async def failed_status(client: Client, run: str) -> Any:
 @pytest.mark.usefixtures("clean_workflows")
 async def test_cancel_during_a_sync_leaves_the_server_serving_a_published_version(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,  # type: ignore[no-untyped-def]
-        inference_servers: list[str]) -> None:
+        inference_servers: list[str], endpoints: Endpoints) -> None:
     cfg = tiny_config(tiny_model, steps=4, eval={"prompts": 4})
     handle = await start_run(temporal_client, cfg)
     await until(lambda: later_sync_running(handle, migrated_db, cfg.name), "a sync of v1 or later in flight")
@@ -466,7 +467,7 @@ async def test_cancel_during_a_sync_leaves_the_server_serving_a_published_versio
                 "the run's status 'cancelled'")
     published = {v.version for v in rows(migrated_db, "select version from policy_versions where run_id = :r",
                                          r=cfg.name)}
-    async with InferenceAdmin(inference_servers[0]) as admin, \
+    async with InferenceAdmin(inference_servers[0], token=endpoints.inference_token) as admin, \
             InferenceClient(inference_servers[0], SERVED_MODEL_NAME) as client:
         label = await until(lambda: published_label(admin), "the server back on a published version")
         served = await asyncio.wait_for(client.complete([5] * 8, max_tokens=2), 120)  # not left paused

@@ -60,8 +60,8 @@ async def client(spare_server: str) -> AsyncIterator[InferenceClient]:
 
 
 @pytest.fixture
-async def admin(spare_server: str, tiny_model: Path) -> AsyncIterator[InferenceAdmin]:
-    async with InferenceAdmin(spare_server) as a:
+async def admin(spare_server: str, spare_server_token: str, tiny_model: Path) -> AsyncIterator[InferenceAdmin]:
+    async with InferenceAdmin(spare_server, token=spare_server_token) as a:
         # every test starts and ends with the server running the base weights as version "base"
         await sync(a, tiny_model, "base", mode="abort")
         yield a

@@ -125,10 +125,10 @@ def make_run(migrated_db: Database, object_store: ObjectStore, probes: dict[str,
 
 
 @pytest.fixture
-async def sidecar(migrated_db: Database, object_store: ObjectStore, spare_server: str,
+async def sidecar(migrated_db: Database, object_store: ObjectStore, spare_server: str, spare_server_token: str,
                   tmp_path: Path) -> AsyncIterator[Sidecar]:
     sidecar = Sidecar(migrated_db, object_store, f"test-{uuid.uuid4().hex[:6]}", spare_server, tmp_path / "sidecar",
-                      model_name=SERVED_MODEL_NAME)
+                      model_name=SERVED_MODEL_NAME, admin_token=spare_server_token)
     yield sidecar
     await sidecar.aclose()
 
@@ -377,12 +377,13 @@ async def test_a_check_that_cannot_tell_the_versions_apart_is_flagged_inconclusi
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_a_shared_filesystem_skips_the_download_unless_its_copy_is_altered(
-        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, tmp_path: Path,
-        checkpoints: dict[str, Path], client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
+        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, spare_server_token: str,
+        tmp_path: Path, checkpoints: dict[str, Path], client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
     run = make_run()
     trainer_dir = tmp_path / "trainer"
     sidecar = Sidecar(migrated_db, object_store, f"shared-{uuid.uuid4().hex[:6]}", spare_server, tmp_path / "sidecar",
-                      model_name=SERVED_MODEL_NAME, shared_dir=trainer_dir)
+                      model_name=SERVED_MODEL_NAME, admin_token=spare_server_token,
+                      shared_dir=trainer_dir)
     try:
         for weights in ("base", "a"):
             version = run.publish(weights)
@@ -402,8 +403,8 @@ async def test_a_shared_filesystem_skips_the_download_unless_its_copy_is_altered
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
-        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, tmp_path: Path,
-        tiny_model: Path, client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
+        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, spare_server_token: str,
+        tmp_path: Path, tiny_model: Path, client: InferenceClient) -> None:  # type: ignore[no-untyped-def]
     run = make_run()
     told: list[tuple[str, int | None]] = []
 
@@ -411,7 +412,8 @@ async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
         told.append((run_id, version))
 
     sidecar = Sidecar(migrated_db, object_store, f"restore-{uuid.uuid4().hex[:6]}", spare_server, tmp_path / "sidecar",
-                      model_name=SERVED_MODEL_NAME, on_state=listen)
+                      model_name=SERVED_MODEL_NAME, admin_token=spare_server_token,
+                      on_state=listen)
     try:
         await sidecar.sync(run.name, run.publish("base"))
         await sidecar.sync(run.name, run.publish("a"))
@@ -433,13 +435,13 @@ async def test_a_server_that_lost_its_weights_is_restored_to_the_latest_version(
 @pytest.mark.vllm
 @pytest.mark.stack
 async def test_a_restarted_sidecar_adopts_the_version_its_server_verifiably_holds(
-        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, tmp_path: Path,
-        sidecar: Sidecar) -> None:  # type: ignore[no-untyped-def]
+        make_run, migrated_db: Database, object_store: ObjectStore, spare_server: str, spare_server_token: str,
+        tmp_path: Path, sidecar: Sidecar) -> None:  # type: ignore[no-untyped-def]
     run = make_run()
     await sidecar.sync(run.name, run.publish("base"))
     bad = run.publish("a", probe_of="b")
     again = Sidecar(migrated_db, object_store, sidecar.server, spare_server, tmp_path / "fresh",
-                    model_name=SERVED_MODEL_NAME)
+                    model_name=SERVED_MODEL_NAME, admin_token=spare_server_token)
     try:
         assert await again.check() is None  # label "0" is what sync_events says it verified
         # the rollback target is fetched again (this machine lost it) and used

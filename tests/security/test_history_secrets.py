@@ -1,10 +1,10 @@
 """No secret reaches Temporal, and the stack listens on loopback only.
 
-Workers read the Postgres password and the S3 keys from their own environment (infra/endpoints.py);
-a run's workflows carry ids, versions and small summaries. The scan below reads every byte Temporal
-stores for a real run (the training run's executions and its rollout groups: inputs, results,
-failures, memo, search attributes) and looks for each secret. A planted secret proves the scan can
-see one. Payload encryption has its own tests (test_payload_encryption.py).
+Workers read the Postgres password, the S3 keys and the inference admin token from their own
+environment (infra/endpoints.py); a run's workflows carry ids, versions and small summaries. The
+scan below reads every byte Temporal stores for a real run (the training run's executions and its
+rollout groups: inputs, results, failures, memo, search attributes) and looks for each secret. A
+planted secret proves the scan can see one. Payload encryption has its own tests (test_payload_encryption.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def stack_secrets(endpoints: Endpoints) -> dict[str, str]:
     url = make_url(endpoints.database_url)
     found = {"postgres password": url.password, "database url": endpoints.database_url,
              "database url (plain driver)": url.set(drivername="postgresql").render_as_string(hide_password=False),
-             "s3 access key": endpoints.s3_access_key, "s3 secret key": endpoints.s3_secret_key}
+             "s3 access key": endpoints.s3_access_key, "s3 secret key": endpoints.s3_secret_key,
+             "inference admin token": endpoints.inference_token}
     assert all(found.values()), "the local stack has every secret set; an empty one would match anything"
     return {name: value for name, value in found.items() if value}
 

@@ -13,7 +13,8 @@ from tests.conftest import WORKFLOW_LOGIC_NAMESPACE
 
 @pytest.fixture(scope="session")
 async def temporal_client(temporal_server: Stack) -> Client:
+    from rlpipe.infra.temporal_client import TemporalConnection, connect_temporal
     from rlpipe.workers.common import data_converter
 
-    return await Client.connect(temporal_server.settings.temporal_address, namespace=WORKFLOW_LOGIC_NAMESPACE,
-                                data_converter=data_converter())
+    conn = TemporalConnection(temporal_server.settings.temporal_address, WORKFLOW_LOGIC_NAMESPACE)
+    return await connect_temporal(conn, data_converter=data_converter())

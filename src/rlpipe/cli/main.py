@@ -128,6 +128,38 @@ def cmd_stack_env(args: argparse.Namespace) -> None:
     print(f"export RLPIPE_BUCKET={ep.bucket}")
     if ep.inference_urls:
         print(f"export INFERENCE_URLS={','.join(ep.inference_urls)}")
+    if ep.inference_urls and ep.inference_token:
+        print(f"export RLPIPE_INFERENCE_TOKEN='{ep.inference_token}'")  # what a remote sync sidecar sends
+
+
+# -- temporal ------------------------------------------------------------------------------------
+def cmd_temporal_prepare(args: argparse.Namespace) -> None:
+    """Register the run's search attributes on the configured namespace, or say what is missing."""
+    import asyncio
+
+    from rlpipe.infra.settings import load_settings
+    from rlpipe.infra.temporal_client import TemporalUnreachable, connect_temporal, temporal_connection
+    from rlpipe.infra.temporal_cluster import Finding, prepare_cluster
+
+    settings = load_settings(args.config)
+    conn = temporal_connection(settings.temporal_address, settings.temporal_namespace,
+                               external=settings.external_temporal is not None)
+
+    async def go() -> list[Finding]:
+        return await prepare_cluster(await connect_temporal(conn), conn.namespace)
+
+    try:
+        findings = asyncio.run(go())
+    except TemporalUnreachable as exc:
+        raise CliError(str(exc)) from exc
+    table = Table(title=f"Temporal at {conn.address}, namespace {conn.namespace}")
+    for col in ("item", "ready", "detail"):
+        table.add_column(col)
+    for f in findings:
+        table.add_row(f.item, "[green]yes[/]" if f.ok else "[red]no[/]", Text(f.detail))
+    console.print(table)
+    if not all(f.ok for f in findings):
+        sys.exit(1)
 
 
 # -- db ------------------------------------------------------------------------------------------
@@ -205,14 +237,14 @@ def cmd_worker(args: argparse.Namespace) -> None:
 # -- runs ----------------------------------------------------------------------------------------
 async def _client() -> Client:
     from rlpipe.infra.endpoints import START_THE_STACK
+    from rlpipe.infra.temporal_client import TemporalUnreachable
     from rlpipe.workers.common import connect, endpoints
 
     ep = endpoints()
     try:
         return await connect(ep)
-    except RuntimeError as exc:  # the SDK's "Failed client connect": nothing answers at that address
-        raise CliError(f"cannot reach Temporal at {ep.temporal_address}; if the stack is not running, "
-                       f"{START_THE_STACK}") from exc
+    except TemporalUnreachable as exc:
+        raise CliError(f"{exc}; if the stack is not running, {START_THE_STACK}") from exc
 
 
 def cmd_run_start(args: argparse.Namespace) -> None:
@@ -426,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true")
     command(stack, "env", cmd_stack_env, "print export lines with the stack's addresses and credentials")
 
+    temporal = groups.add_parser("temporal", help="the Temporal cluster").add_subparsers(dest="cmd", required=True)
+    command(temporal, "prepare", cmd_temporal_prepare,
+            "check the namespace and register the run's search attributes (idempotent; exit 1 if something "
+            "is missing or not allowed)")
+
     db = groups.add_parser("db", help="database migrations (Alembic)").add_subparsers(dest="cmd", required=True)
     command(db, "upgrade", cmd_db_upgrade, "apply migrations").add_argument("revision", nargs="?", default="head")
     command(db, "downgrade", cmd_db_downgrade, "revert migrations").add_argument("revision", nargs="?", default="-1")
@@ -520,11 +557,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         from rlpipe.infra.endpoints import StackNotRunning
         from rlpipe.infra.settings import SettingsError
         from rlpipe.infra.stack import StackError
+        from rlpipe.infra.temporal_client import TemporalSettingsError
         from rlpipe.schemas.config import ConfigError
         from rlpipe.workers.launcher import WorkerStartError
 
         if isinstance(exc, StackError | StackNotRunning | SettingsError | ConfigError | RunCommandError |
-                      WorkerStartError | WrongVersionServed):
+                      WorkerStartError | WrongVersionServed | TemporalSettingsError):
             print_error(exc)
             sys.exit(2)
         raise

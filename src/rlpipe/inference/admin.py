@@ -21,6 +21,7 @@ from typing import Literal
 
 import httpx
 
+from rlpipe.inference.admin_guard import bearer
 from rlpipe.inference.client import RequestRejectedError, request_json
 
 PauseMode = Literal["abort", "keep", "wait"]
@@ -35,14 +36,18 @@ RELOAD_TIMEOUT_S = 600.0  # SmolLM2 reads 0.5 GB of fp32 safetensors; a larger m
 
 
 class InferenceAdmin:
-    """Admin calls to one server; use as `async with InferenceAdmin(url) as admin`."""
+    """Admin calls to one server; use as `async with InferenceAdmin(url, token=...) as admin`.
 
-    def __init__(self, base_url: str, *, timeout_s: float = RELOAD_TIMEOUT_S) -> None:
+    `token` is the server's admin token (RLPIPE_INFERENCE_TOKEN, or the local stack's: Endpoints.inference_token);
+    without the right one the admin routes answer 401/403 (inference/admin_guard.py)."""
+
+    def __init__(self, base_url: str, *, token: str | None, timeout_s: float = RELOAD_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
         # A fresh connection per call: after a failed /collective_rpc vLLM closes the
         # connection, and a pooled one would fail the next call (a sync makes few calls).
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
+            headers=bearer(token) if token else None,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             limits=httpx.Limits(max_keepalive_connections=0),
         )

@@ -65,7 +65,8 @@ class Published:
 
 class Sidecar:
     def __init__(self, db: Database, store: ObjectStore, server: str, url: str, work_dir: Path, *,
-                 model_name: str, shared_dir: Path | None = None, on_state: StateListener | None = None) -> None:
+                 model_name: str, admin_token: str | None, shared_dir: Path | None = None,
+                 on_state: StateListener | None = None) -> None:
         self.db = db
         self.store = store
         self.server = server
@@ -76,7 +77,7 @@ class Sidecar:
         self.shared_dir = shared_dir
         """The trainer's published checkpoints (same layout), when this machine shares its filesystem."""
         self.on_state = on_state
-        self.admin = InferenceAdmin(url)
+        self.admin = InferenceAdmin(url, token=admin_token)
         self.held: Weights | None = None
         """The verified weights the server holds (None: unknown, or not a published version)."""
         self.reachable = True
