@@ -83,7 +83,7 @@ def settings_names() -> set[str]:
 
 def test_the_scan_finds_the_settings_the_code_is_known_to_read() -> None:
     """The scanner itself: a variable of each way the code reads one."""
-    assert {"TEMPORAL_ADDRESS", "DATABASE_URL", "INFERENCE_URLS", "RLPIPE_CONFIG", "AWS_SECRET_ACCESS_KEY",
+    assert {"RLPIPE_INFERENCE_TOKEN", "DATABASE_URL", "INFERENCE_URLS", "RLPIPE_CONFIG", "AWS_SECRET_ACCESS_KEY",
             "RLPIPE_PAYLOAD_KEY", "RLPIPE_SHARED_CHECKPOINTS"} <= code_env_names()
 
 
@@ -177,7 +177,8 @@ def test_secrets_are_named_not_written(settings_names: set[str]) -> None:
 
 def test_containers_pass_only_settings_their_program_reads(settings_names: set[str]) -> None:
     with mock.patch.dict(os.environ, clear=True):  # what vllm_command adds to the environment, alone
-        _, vllm_sets = vllm_command(Path("/m"), "h", 1, served_model_name="x", max_model_len=64, kv_cache_gib=1)
+        _, vllm_sets = vllm_command(Path("/m"), "h", 1, served_model_name="x", max_model_len=64, kv_cache_gib=1,
+                                    admin_token="t")
     for container in containers():
         command = " ".join(container["command"] + container.get("args", []))
         for var in container.get("env", []):
@@ -209,7 +210,7 @@ def test_the_inference_server_starts_as_vllm_command_starts_it(tmp_path: Path) -
     args = server.get("args", [])
     flags = {a for a in args if a.startswith("--")}
     argv, env = vllm_command(tmp_path, "h", 1, served_model_name="x", max_model_len=64, kv_cache_gib=1,
-                             enforce_eager=False)
+                             enforce_eager=False, admin_token="t")
     assert server["command"][1:] == argv[1:3]
     assert flags == {a for a in argv if a.startswith("--")}
     value = {flag: args[i + 1] for i, flag in enumerate(args[:-1]) if flag.startswith("--")}
