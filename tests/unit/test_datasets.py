@@ -82,6 +82,32 @@ def test_an_eval_file_gives_the_eval_split_in_its_order(tmp_path: Path) -> None:
     assert dataset_env(path=str(train), eval_path=str(evals)).size("eval") == 5
 
 
+def test_parquet_and_saved_datasets_give_the_tasks_the_jsonl_gives(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    settings = {"id_column": "id", "eval_rows": 5, "metadata_columns": ["level"]}
+    want = dataset_env(path=str(write_jsonl(tmp_path / "data.jsonl", QUESTIONS)), **settings)
+    pq.write_table(pa.Table.from_pylist(QUESTIONS), tmp_path / "data.parquet")
+    datasets.Dataset.from_list(QUESTIONS).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(QUESTIONS[:15]),
+                          "test": datasets.Dataset.from_list(QUESTIONS[15:])}).save_to_disk(str(tmp_path / "dict"))
+    for got in (dataset_env(path=str(tmp_path / "data.parquet"), **settings),
+                dataset_env(path=str(tmp_path / "saved"), **settings)):
+        assert all_tasks(got, "train") == all_tasks(want, "train")
+        assert all_tasks(got, "eval") == all_tasks(want, "eval")
+    split = dataset_env(path=str(tmp_path / "dict"), split="train", eval_path=str(tmp_path / "dict"), eval_split="test")
+    assert (split.size("train"), [t.question for t in all_tasks(split, "eval")]) == \
+        (15, [q["prompt"] for q in QUESTIONS[15:]])
+    # a bad row is named by its row number in the file it came from
+    pq.write_table(pa.Table.from_pylist([*QUESTIONS[:3], {**QUESTIONS[3], "prompt": " "}]), tmp_path / "bad.parquet")
+    with pytest.raises(DatasetError, match=r"bad\.parquet row 4"):
+        dataset_env(path=str(tmp_path / "bad.parquet"))
+    with pytest.raises(DatasetError, match=r"dict: is a DatasetDict with splits train, test: set env\.dataset\.split"):
+        dataset_env(path=str(tmp_path / "dict"))
+
+
 def test_the_system_prompt_and_a_messages_column_frame_the_conversation(tmp_path: Path) -> None:
     rows = [{"conversation": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
                               {"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(4)]
