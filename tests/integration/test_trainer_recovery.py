@@ -42,13 +42,14 @@ from rlpipe.rl import step as step_module
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import TrainStepInput
+from rlpipe.schemas.tracking import TrackerName
 from rlpipe.schemas.trajectory import AssembledTrajectory
 from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import register_run
 from rlpipe.tracking.cursor import cursor_states, plan_batch, tracker_lines
-from rlpipe.tracking.follow import MAX_STEPS_PER_BATCH, Outcome, catch_up, read_batch
+from rlpipe.tracking.follow import MAX_STEPS_PER_BATCH, Outcome, catch_up_run, read_batch
 from rlpipe.tracking.sinks import open_sink
 from rlpipe.trainer.trainer import Trainer
 from rlpipe.weights.checkpoints import download_checkpoint, load_manifest, manifest_key, train_state_key
@@ -304,7 +305,7 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
     with migrated_db.begin() as s:
         assert s.execute(sa.text("select max(step) from train_steps where run_id = :r"), {"r": cfg.name}).scalar() == 3
     assert claimed_steps(migrated_db, cfg.name).count(4) == GROUPS_PER_STEP, "step 4 claimed, not committed"
-    first_outcomes = track(migrated_db, cfg)  # what the rollout worker's tracking loop does, here by hand
+    first_outcomes = catch_up_run(migrated_db, cfg)  # what the rollout worker's tracking loop does
     with trainer_process(cfg, range(4, STEPS + 1), tmp_path / "second", child_env) as second:
         assert second.wait(timeout=CHILD_TIMEOUT_S) == 0, (tmp_path / "second" / "stderr.log").read_text()[-3000:]
     assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
@@ -316,12 +317,7 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
 
 
 # -- the trackers fed from this record (issue #23) ------------------------------------------------
-def track(db: Database, cfg: RunConfig) -> dict[str, Outcome]:
-    """Bring every tracker of the run up to what Postgres committed, as the tracking loop does."""
-    return {t: catch_up(db, cfg.name, t, open_sink(t, cfg.name, cfg.trackers)) for t in cfg.tracking}
-
-
-def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[str, Outcome], tmp: Path) -> None:
+def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[TrackerName, Outcome], tmp: Path) -> None:
     """Steps 1-3 went out before the kill, step 4 was retried by a new trainer; then a tracking pass
     dies after its tracker took a batch but before the cursor moved (the batch stays pending): the
     next pass writes it again as a replay. Each tracker's own reader finds every step exactly once."""
@@ -335,7 +331,7 @@ def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[str
             plan = plan_batch(s, cfg.name, tracker, max_steps=MAX_STEPS_PER_BATCH)
         assert plan is not None and (plan.first_step, plan.last_step) == (4, STEPS)
         open_sink(tracker, cfg.name, cfg.trackers).write(read_batch(db, cfg.name, plan), replay=False)
-    assert track(db, cfg) == {"tensorboard": "idle", "mlflow": "idle"}
+    assert catch_up_run(db, cfg) == {"tensorboard": "idle", "mlflow": "idle"}
     tensorboard = tensorboard_steps(tmp / "tb" / cfg.name)
     mlflow = mlflow_steps(cfg.trackers.mlflow.tracking_uri, cfg.trackers.mlflow.experiment, cfg.name)
     every_step = list(range(1, STEPS + 1))
@@ -351,11 +347,11 @@ def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[str
         assert [(c.step, c.error) for c in cursor_states(s, cfg.name)] == [(STEPS, None), (STEPS, None)]
 
 
-def assert_unreachable_tracker_reported(db: Database, cfg: RunConfig, first: dict[str, Outcome]) -> None:
+def assert_unreachable_tracker_reported(db: Database, cfg: RunConfig, first: dict[TrackerName, Outcome]) -> None:
     """An MLflow server that is not there: every step still commits, the tracker's cursor says what it
     lacks and why, `failures` has one row for the outage (not one per retry), run status warns."""
     assert first == {"mlflow": "failed"}
-    assert track(db, cfg) == {"mlflow": "failed"}
+    assert catch_up_run(db, cfg) == {"mlflow": "failed"}
     with db.begin() as s:
         assert s.execute(sa.text("select max(step) from train_steps where run_id = :r"), {"r": cfg.name}).scalar() \
             == STEPS

@@ -117,6 +117,11 @@ def catch_up(db: Database, run_id: str, tracker: TrackerName, sink: Sink, wait: 
     return outcome
 
 
+def catch_up_run(db: Database, cfg: RunConfig) -> dict[TrackerName, Outcome]:
+    """Bring every tracker of the run up to what Postgres committed now (the demo, after its run)."""
+    return {t: catch_up(db, cfg.name, t, open_sink(t, cfg.name, cfg.trackers)) for t in cfg.tracking}
+
+
 @dataclass
 class _Follower:
     sink: Sink

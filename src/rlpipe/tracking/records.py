@@ -147,8 +147,8 @@ def sync_points(r: SyncRecord) -> list[Scalar]:
 
 
 def eval_points(r: EvalRecord) -> list[Scalar]:
-    """eval/<split>/*: held-out accuracy (and mean reward) of the version the step published."""
-    t, prefix = r.created_at.timestamp(), f"eval/{r.split}"
+    """heldout/<split>/*: held-out accuracy (and mean reward) of the version the step published."""
+    t, prefix = r.created_at.timestamp(), f"heldout/{r.split}"
     scalars = [Scalar(f"{prefix}/accuracy", r.step, r.accuracy, t),
                Scalar(f"{prefix}/version", r.step, float(r.version), t)]
     if r.mean_reward is not None:
