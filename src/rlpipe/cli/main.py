@@ -281,6 +281,8 @@ def cmd_run_status(args: argparse.Namespace) -> None:
 
 def _print_trackers(run_id: str) -> None:
     """The run's experiment trackers, read from Postgres; a tracker that is not receiving is a warning."""
+    import sqlalchemy as sa
+
     from rlpipe.storage.db import Database
     from rlpipe.tracking.cursor import tracker_lines
     from rlpipe.workers.common import endpoints
@@ -289,6 +291,8 @@ def _print_trackers(run_id: str) -> None:
     try:
         with db.begin() as s:
             lines = tracker_lines(s, run_id)
+    except sa.exc.OperationalError as exc:  # the status above came from Temporal: still worth showing
+        lines = [(f"cannot read the trackers' cursors from Postgres: {exc.orig}", True)]
     finally:
         db.dispose()
     for line, warning in lines:

@@ -124,7 +124,8 @@ def catch_up_run(db: Database, cfg: RunConfig) -> dict[TrackerName, Outcome]:
 
 @dataclass
 class _Follower:
-    sink: Sink
+    sink: Sink | None = None
+    """Opened at the first pass that gets to it (opening can fail too: a tracker package not installed)."""
     failures: int = 0
     retry_at: float = 0.0
 
@@ -154,19 +155,26 @@ class TrackingLoop:
                 continue
             for tracker in cfg.tracking:
                 followed.add((run_id, tracker))
-                follower = self.followers.get((run_id, tracker))
-                if follower is None:
-                    follower = self.followers[run_id, tracker] = _Follower(open_sink(tracker, run_id, cfg.trackers))
+                follower = self.followers.setdefault((run_id, tracker), _Follower())
                 if time.monotonic() < follower.retry_at:
                     continue
-                outcome = catch_up(self.db, run_id, tracker, follower.sink, wait=False)
+                try:
+                    if follower.sink is None:
+                        follower.sink = open_sink(tracker, run_id, cfg.trackers)
+                    outcome = catch_up(self.db, run_id, tracker, follower.sink, wait=False)
+                except ImportError as exc:  # the `tracking` extra not installed: said like any tracker error
+                    with self.db.begin() as s:
+                        record_tracker_error(s, run_id, tracker, exc)
+                    outcome = "failed"
                 if outcome == "failed":
                     follower.failures += 1
                     follower.retry_at = time.monotonic() + BACKOFF_S[min(follower.failures, len(BACKOFF_S)) - 1]
                 else:
                     follower.failures = 0
         for key in set(self.followers) - followed:  # runs no longer followed
-            self.followers.pop(key).sink.close()
+            sink = self.followers.pop(key).sink
+            if sink is not None:
+                sink.close()
 
     def _runs(self) -> list[tuple[str, dict[str, object]]]:
         with self.db.begin() as s:
