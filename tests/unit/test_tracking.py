@@ -99,7 +99,7 @@ def test_status_warns_of_a_tracker_that_is_not_receiving() -> None:
         ("tensorboard: at step 5 of 5", False), ("x: at step 3 of 5 (2 to send)", False)]
 
 
-def test_importing_rlpipe_and_its_workers_loads_no_tracker_package() -> None:
-    code = ("import sys, rlpipe, rlpipe.schemas.config, rlpipe.workers.rollout, rlpipe.tracking.follow; "
+def test_importing_rlpipe_and_the_tracking_loop_loads_no_tracker_package() -> None:
+    code = ("import sys, rlpipe, rlpipe.schemas.config, rlpipe.tracking.follow; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensorboard', 'mlflow'}))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
