@@ -15,7 +15,7 @@ PACKAGE_DIRS := src workflows activities workers schemas migrations infra config
 TRL_VENV  := .venv-trl
 TRL_STAMP := $(TRL_VENV)/.installed
 
-.PHONY: demo test bench venv bench-trl-venv clean stack-down
+.PHONY: demo test bench venv bench-trl-venv clean stack-down chromium
 
 venv: $(LINKS)
 
@@ -54,10 +54,15 @@ $(TRL_STAMP):
 		transformers==5.19.0 accelerate==1.16.0 datasets==5.2.0
 	touch $(TRL_STAMP)
 
-test: venv
+test: venv chromium
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# the TensorBoard screenshot test (tests/integration/tracking_checks.py) opens TensorBoard in Debian's
+# headless Chromium, which a fresh machine lacks (apt, as root: CI runs as root)
+chromium:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # Benchmarks (issue #8): each writes benchmarks/results/<name>.json; report renders BENCHMARKS.md and
 # benchmarks/results/targets.json (every performance target, its value, goal and command).

@@ -13,12 +13,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlpipe.registry import names_used, registered_names, unusable
 from rlpipe.sandbox.latency import LatencyModel, NoLatency
 from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
 from rlpipe.schemas.task import EnvConfig, GraderConfig
+from rlpipe.schemas.tracking import TrackerName, TrackersConfig, check_tracking
 
 RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
@@ -166,6 +167,17 @@ class RunConfig(Strict):
     continue_as_new_every: int | None = Field(None, ge=1)
     """Continue-as-new after this many steps in one workflow run (besides when Temporal suggests
     it); keeps histories short in very long runs and lets tests exercise the hand-over."""
+    tracking: list[TrackerName] = []
+    """Experiment trackers that receive the run's metrics from Postgres: "tensorboard", "mlflow".
+    Off the trainer's path: a tracker that is down never slows or fails the run
+    (docs/tracking.md)."""
+    trackers: TrackersConfig = TrackersConfig()
+    """Settings of each tracker (log directory, tracking URI, project...)."""
+
+    @field_validator("tracking")
+    @classmethod
+    def _trackers_once(cls, names: list[TrackerName]) -> list[TrackerName]:
+        return check_tracking(names)
 
     @model_validator(mode="after")
     def _schedule_is_consistent(self) -> RunConfig:

@@ -44,7 +44,7 @@ def _nested_models(annotation: object) -> list[type[BaseModel]]:
 def _type_name(annotation: object) -> str:
     text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
     for module in ("rlpipe.schemas.algorithm.", "rlpipe.schemas.task.", "rlpipe.schemas.config.",
-                   "rlpipe.sandbox.latency."):
+                   "rlpipe.schemas.tracking.", "rlpipe.sandbox.latency."):
         text = text.replace(module, "")
     return text.replace("|", "\\|")
 

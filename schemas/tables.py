@@ -416,3 +416,34 @@ class EvalResult(Base):
     mean_reward: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any] | None]
     created_at: Mapped[timestamp_now]
+
+
+class TrackerCursor(Base):
+    """How far one experiment tracker has received one run's committed record (src/rlpipe/tracking/).
+
+    A batch is announced in `pending` (committed) before it is written to the tracker and folded into
+    the cursor after; a sink that died in between finds it pending and writes it again the way that
+    tracker makes a repeated write harmless, so every step reaches the tracker exactly once."""
+
+    __tablename__ = "tracker_cursors"
+    __table_args__ = (
+        UniqueConstraint("run_id", "tracker"),
+        CheckConstraint("step >= 0", name="step_non_negative"),
+        CheckConstraint("batches >= 0", name="batches_non_negative"),
+    )
+
+    id: Mapped[id_pk]
+    run_id: Mapped[run_fk]
+    tracker: Mapped[str] = mapped_column(Text)
+    step: Mapped[int] = mapped_column(server_default="0")
+    """Train steps 1..step are logged (steps commit in order, so one number says it)."""
+    logged: Mapped[list[Any]] = mapped_column(server_default="[]")
+    """Keys of the other records logged: 'config', 'eval:<version>:<split>', 'sync:<version>:<server>'."""
+    batches: Mapped[int] = mapped_column(server_default="0")
+    """Batches written so far; the next batch's number (TensorBoard names its event file by it)."""
+    pending: Mapped[dict[str, Any] | None]
+    """The batch being written: {"number", "first_step", "last_step", "keys"}; null when none is."""
+    error: Mapped[str | None]
+    """The tracker's last error, cleared by the next batch it accepts."""
+    failing_since: Mapped[datetime | None]
+    updated_at: Mapped[timestamp_now]

@@ -1,5 +1,6 @@
 """The rollout worker: hosts the TrainingRun and RolloutGroup workflows with their bookkeeping
-activities (workflow queue), and the generation activities (rollout queue)."""
+activities (workflow queue), the generation activities (rollout queue), and the loop that feeds
+runs' experiment trackers from Postgres (tracking/follow.py says why here)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rlpipe.activities.rollout import RolloutActivities
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.payloads import ROLLOUT_QUEUE, WORKFLOW_QUEUE
 from rlpipe.storage.db import Database
+from rlpipe.tracking.follow import TrackingLoop
 from rlpipe.workers.common import (
     WORKER_CONNECT_WAIT_S,
     connect,
@@ -43,5 +45,5 @@ async def run_rollout_worker(max_concurrent_generations: int = 256) -> None:
                                     rollouts.finish_group],
                         max_concurrent_activities=max_concurrent_generations)
     log.info("serving %s and %s with inference servers %s", WORKFLOW_QUEUE, ROLLOUT_QUEUE, servers)
-    await asyncio.gather(orchestration.run(), generation.run())
+    await asyncio.gather(orchestration.run(), generation.run(), TrackingLoop(db).run())
 

@@ -38,16 +38,21 @@ import sqlalchemy as sa
 import torch
 
 from rlpipe.infra.endpoints import Endpoints
+from rlpipe.infra.process import free_port
 from rlpipe.policy.checkpoint import load_state_dict
 from rlpipe.rl import step as step_module
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import TrainStepInput
+from rlpipe.schemas.tracking import TrackerName
 from rlpipe.schemas.trajectory import AssembledTrajectory
 from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import register_run
+from rlpipe.tracking.cursor import cursor_states, plan_batch, tracker_lines
+from rlpipe.tracking.follow import MAX_STEPS_PER_BATCH, Outcome, catch_up_run, read_batch
+from rlpipe.tracking.sinks import open_sink
 from rlpipe.trainer.trainer import Trainer
 from rlpipe.weights.checkpoints import (
     download_checkpoint,
@@ -69,10 +74,12 @@ Weights = dict[str, torch.Tensor]
 
 
 # -- a run and its buffer -----------------------------------------------------------------------
-def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bool = False) -> RunConfig:
+def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bool = False,
+            tracking: dict[str, Any] | None = None) -> RunConfig:
     """A registered run whose steps move the weights far more than TOLERANCE (lr 1e-3), with the
     reference model (KL) and micro-batches on; `several_updates`: 2 epochs over 2 mini-batches, four
-    optimiser steps per train step, anchored at the proximal policy recorded before the first."""
+    optimiser steps per train step, anchored at the proximal policy recorded before the first;
+    `tracking`: the config's `tracking` and `trackers` fields (experiment trackers, issue #23)."""
     updates = {"mini_batches": 2, "epochs": 2} if several_updates else {}
     cfg = RunConfig.model_validate({
         "name": f"recovery-{world_size}-{uuid.uuid4().hex[:8]}", "steps": STEPS,
@@ -82,6 +89,7 @@ def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bo
         "sync": {"interval": SYNC_INTERVAL, "recovery_state_every": RECOVERY_STATE_EVERY},
         "loss": {"kl_coef": 0.05, **({"off_policy": "decoupled"} if several_updates else {})},
         "optim": {"lr": 1e-3},
+        **(tracking or {}),
     })
     with db.begin() as s:
         register_run(s, cfg)
@@ -296,7 +304,12 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
     real crash in the middle of a step, with its claim made and nothing committed. With 2 epochs x
     2 mini-batches the kill lands after the first epoch's two optimiser steps."""
     _, want = uninterrupted(1, several_updates)
-    cfg = new_run(migrated_db, tiny_model, 1, several_updates)
+    # the trackers ride along (issue #23): a reachable TensorBoard and MLflow file store with one layout,
+    # an MLflow tracking server that is not there with the other
+    mlflow_uri = f"http://127.0.0.1:{free_port()}" if several_updates else f"file:{tmp_path / 'mlruns'}"
+    cfg = new_run(migrated_db, tiny_model, 1, several_updates, tracking={
+        "tracking": ["mlflow"] if several_updates else ["tensorboard", "mlflow"],
+        "trackers": {"tensorboard": {"log_dir": str(tmp_path / "tb")}, "mlflow": {"tracking_uri": mlflow_uri}}})
     with trainer_process(cfg, range(1, STEPS + 1), tmp_path / "first", child_env, pause_in=4,
                          pause_after_updates=2 if several_updates else None) as first:
         assert _read_until(first, "paused"), "the child never reached step 4"
@@ -305,10 +318,61 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
     with migrated_db.begin() as s:
         assert s.execute(sa.text("select max(step) from train_steps where run_id = :r"), {"r": cfg.name}).scalar() == 3
     assert claimed_steps(migrated_db, cfg.name).count(4) == GROUPS_PER_STEP, "step 4 claimed, not committed"
+    first_outcomes = catch_up_run(migrated_db, cfg)  # what the rollout worker's tracking loop does
     with trainer_process(cfg, range(4, STEPS + 1), tmp_path / "second", child_env) as second:
         assert second.wait(timeout=CHILD_TIMEOUT_S) == 0, (tmp_path / "second" / "stderr.log").read_text()[-3000:]
     assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
     assert_replayed(step_metrics(migrated_db, cfg.name)[4], version=0, steps=3)
+    if several_updates:
+        assert_unreachable_tracker_reported(migrated_db, cfg, first_outcomes)
+    else:
+        assert_every_step_tracked_once(migrated_db, cfg, first_outcomes, tmp_path)
+
+
+# -- the trackers fed from this record (issue #23) ------------------------------------------------
+def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[TrackerName, Outcome], tmp: Path) -> None:
+    """Steps 1-3 went out before the kill, step 4 was retried by a new trainer; then a tracking pass
+    dies after its tracker took a batch but before the cursor moved (the batch stays pending): the
+    next pass writes it again as a replay. Each tracker's own reader finds every step exactly once."""
+    from tests.integration.tracking_checks import mlflow_steps, tensorboard_steps  # not in the child process
+
+    assert first == {"tensorboard": "idle", "mlflow": "idle"}
+    with db.begin() as s:
+        assert [c.step for c in cursor_states(s, cfg.name)] == [3, 3]
+    for tracker in cfg.tracking:  # the pass that dies: plan, write, no completion
+        with db.begin() as s:
+            plan = plan_batch(s, cfg.name, tracker, max_steps=MAX_STEPS_PER_BATCH)
+        assert plan is not None and (plan.first_step, plan.last_step) == (4, STEPS)
+        open_sink(tracker, cfg.name, cfg.trackers).write(read_batch(db, cfg.name, plan), replay=False)
+    assert catch_up_run(db, cfg) == {"tensorboard": "idle", "mlflow": "idle"}
+    tensorboard = tensorboard_steps(tmp / "tb" / cfg.name)
+    mlflow = mlflow_steps(cfg.trackers.mlflow.tracking_uri, cfg.trackers.mlflow.experiment, cfg.name)
+    every_step = list(range(1, STEPS + 1))
+    for logged in (tensorboard, mlflow):
+        for tag in ("train/loss", "train/reward_mean", "train/entropy", "train/kl_sampler", "reward/p50",
+                    "train/tokens_per_s", "phase/claim_s", "phase/engine_s"):
+            assert logged[tag] == every_step, (tag, logged[tag])
+        # all the groups came from version 0: step k trains on data k - 1 steps stale, all of it
+        assert {tag: steps for tag, steps in logged.items() if tag.startswith("staleness/share_")} == \
+            {f"staleness/share_{k - 1}": [k] for k in every_step}
+        assert all(len(steps) == len(set(steps)) for steps in logged.values()), "a point logged twice"
+    with db.begin() as s:
+        assert [(c.step, c.error) for c in cursor_states(s, cfg.name)] == [(STEPS, None), (STEPS, None)]
+
+
+def assert_unreachable_tracker_reported(db: Database, cfg: RunConfig, first: dict[TrackerName, Outcome]) -> None:
+    """An MLflow server that is not there: every step still commits, the tracker's cursor says what it
+    lacks and why, `failures` has one row for the outage (not one per retry), run status warns."""
+    assert first == {"mlflow": "failed"}
+    assert catch_up_run(db, cfg) == {"mlflow": "failed"}
+    with db.begin() as s:
+        assert s.execute(sa.text("select max(step) from train_steps where run_id = :r"), {"r": cfg.name}).scalar() \
+            == STEPS
+        failures = s.execute(sa.text("select message from failures where run_id = :r and kind = 'tracking'"),
+                             {"r": cfg.name}).scalars().all()
+        [(line, warning)] = tracker_lines(s, cfg.name)
+    assert len(failures) == 1 and "tracker mlflow failed" in failures[0]
+    assert warning and line.startswith("mlflow: NOT RECEIVING since") and f"at step 0 of {STEPS}" in line
 
 
 # -- the child process ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from rlpipe.cli.run_commands import start_run
 from rlpipe.inference.client import InferenceClient
 from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.process import free_port
 from rlpipe.infra.temporal import temporal_binary
 from rlpipe.observe.queries import group_counts
 from rlpipe.rl.advantages import overlong_penalty
@@ -26,7 +27,11 @@ from rlpipe.schemas.payloads import WORKFLOW_QUEUE
 from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.runs import register_run
+from rlpipe.tracking.cursor import tracker_lines
+from rlpipe.tracking.follow import advance, catch_up
+from rlpipe.tracking.sinks import open_sink
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config
+from tests.integration.tracking_checks import assert_tensorboard_shows, tensorboard_steps
 from tests.waiting import run_result
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
@@ -184,11 +189,14 @@ async def test_json_input_with_a_bad_field_fails_the_run_naming_it(
 
 
 async def test_trainer_killed_during_a_step_is_replaced_and_the_step_commits_once(
-        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path, tmp_path: Path) -> None:
     from rlpipe.infra.process import kill
 
+    # the experiment trackers ride along (issue #23): TensorBoard, and an MLflow server that is not there
     cfg = tiny_config(tiny_model, steps=4, rollout={"group_size": 8, "groups_per_step": 4},
-                      sampling={"max_tokens": 48})
+                      sampling={"max_tokens": 48}, tracking=["tensorboard", "mlflow"],
+                      trackers={"tensorboard": {"log_dir": str(tmp_path / "tb")},
+                                "mlflow": {"tracking_uri": f"http://127.0.0.1:{free_port()}"}})
     handle = await start_run(temporal_client, cfg)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     killed_mid_step = None
@@ -209,6 +217,31 @@ async def test_trainer_killed_during_a_step_is_replaced_and_the_step_commits_onc
     attempts = rows(migrated_db, "select count(*) as n from activity_spans where run_id = :r and activity = "
                                  "'train_step'", r=cfg.name)[0].n
     assert attempts == cfg.steps, "the killed attempt leaves no span; every step has one finished attempt"
+    assert_tracked(migrated_db, cfg, tmp_path)
+
+
+def assert_tracked(db: Database, cfg: RunConfig, tmp_path: Path) -> None:
+    """TensorBoard has every step once, the held-out accuracy of the evaluated versions and every sync,
+    and shows the reward and accuracy charts; the unreachable MLflow left the run going, with one
+    `failures` row and a warning for `rlpipe run status`."""
+    assert catch_up(db, cfg.name, "tensorboard", open_sink("tensorboard", cfg.name, cfg.trackers)) == "idle"
+    assert advance(db, cfg.name, "mlflow", open_sink("mlflow", cfg.name, cfg.trackers), wait=True) == "failed"
+    logged = tensorboard_steps(tmp_path / "tb" / cfg.name)
+    every_step = list(range(1, cfg.steps + 1))
+    for tag in ("train/loss", "train/reward_mean", "reward/p50", "train/tokens_per_s", "phase/engine_s",
+                "box/grader_share"):
+        assert logged[tag] == every_step, (tag, logged[tag])
+    assert logged["heldout/eval/accuracy"] == [0, cfg.steps]  # the base and the final version, at their steps
+    published = sorted(r.trained_steps for r in rows(db, "select trained_steps from policy_versions where "
+                                                         "run_id = :r", r=cfg.name))
+    assert sorted(logged["sync/0/verified"]) == published
+    assert all(len(steps) == len(set(steps)) for steps in logged.values()), "a point logged twice"
+    failures = rows(db, "select message from failures where run_id = :r and kind = 'tracking'", r=cfg.name)
+    assert len(failures) == 1 and "tracker mlflow failed" in failures[0].message
+    with db.begin() as s:
+        assert [(line.split(":")[0], warning) for line, warning in tracker_lines(s, cfg.name)] == \
+            [("mlflow", True), ("tensorboard", False)]
+    assert_tensorboard_shows(tmp_path / "tb", ["train/reward_mean", "heldout/eval/accuracy"], tmp_path)
 
 
 async def _train_step_running(handle) -> bool:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ A second `make demo` reuses the installed packages, the prepared model and a run
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +84,7 @@ def run_demo(config_file: Path = DEMO_CONFIG) -> int:
 
     report_dir = Path("reports") / config.name
     report([config.name, "--out", str(report_dir)])
+    _catch_up_trackers(config, resolve_endpoints(settings).database_url)
     doctor([config.name])
     _summary(config, settings.temporal_ui_url, report_dir, time.monotonic() - started)
     return 0
@@ -98,6 +100,22 @@ async def _train(config: RunConfig) -> str:
     if closed.name == "COMPLETED":
         console.print(run_commands.status_table(await run_commands.final_status(client, config.name)))
     return closed.name
+
+
+def _catch_up_trackers(config: RunConfig, database_url: str) -> None:
+    """The rollout worker's loop follows the run every few seconds: bring the trackers up to the end
+    now, so the closing panel points at complete logs."""
+    from rlpipe.storage.db import Database
+    from rlpipe.tracking.follow import catch_up_run
+
+    db = Database(database_url)
+    try:
+        for tracker, outcome in catch_up_run(db, config).items():
+            if outcome == "failed":
+                console.print(f"[yellow]tracker {tracker} did not take the run's metrics[/]; `rlpipe run status "
+                              f"{config.name}` says why")
+    finally:
+        db.dispose()
 
 
 def _steps(total: int) -> Callable[[str], None]:
@@ -128,6 +146,11 @@ def _summary(config: RunConfig, ui: str | None, report_dir: Path, elapsed_s: flo
     table.add_row("Report", str((report_dir / "report.html").resolve()))
     table.add_row("SQL shell", "psql \"$(rlpipe stack env | sed -n 's/export DATABASE_URL=//p' | tr -d \\\"'\\\" | "
                                "sed 's/+psycopg//')\"")
+    if "tensorboard" in config.tracking:  # the workers' working directory is this one (rlpipe workers up)
+        log_dir = Path(config.trackers.tensorboard.log_dir).resolve()
+        tensorboard = Path(sys.executable).parent / "tensorboard"
+        table.add_row("TensorBoard", f"{tensorboard} --logdir {log_dir} --port 6006, then open "
+                                     f"http://127.0.0.1:6006 (run {config.name}, earlier runs beside it)")
     table.add_row("Stop everything", "rlpipe workers down && rlpipe stack down")
     table.add_row("Time", f"{elapsed_s / 60:.1f} min")
     console.print(Panel(table, title=f"run {config.name} finished"))

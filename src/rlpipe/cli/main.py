@@ -306,8 +306,29 @@ def cmd_run_status(args: argparse.Namespace) -> None:
         return
     status = _run_call(lambda c: run_commands.run_status(c, args.run))
     console.print(run_commands.status_table(status))
+    _print_trackers(status.run)
     if status.close_reason is not None:  # failed or cancelled: scripts see it in the exit status
         raise SystemExit(1)
+
+
+def _print_trackers(run_id: str) -> None:
+    """The run's experiment trackers, read from Postgres; a tracker that is not receiving is a warning."""
+    import sqlalchemy as sa
+
+    from rlpipe.storage.db import Database
+    from rlpipe.tracking.cursor import tracker_lines
+    from rlpipe.workers.common import endpoints
+
+    db = Database(endpoints().database_url)
+    try:
+        with db.begin() as s:
+            lines = tracker_lines(s, run_id)
+    except sa.exc.OperationalError as exc:  # the status above came from Temporal: still worth showing
+        lines = [(f"cannot read the trackers' cursors from Postgres: {exc.orig}", True)]
+    finally:
+        db.dispose()
+    for line, warning in lines:
+        console.print(Text(f"tracking  {line}", style="yellow" if warning else ""))
 
 
 def cmd_run_pause(args: argparse.Namespace) -> None:

@@ -1,0 +1,1 @@
+"""Experiment trackers (TensorBoard, MLflow) fed from what Postgres committed (docs/tracking.md)."""
