@@ -95,7 +95,7 @@ def read_jsonl(found: Path, shown: str) -> list[Record]:
 
 def read_parquet(found: Path, shown: str) -> list[Record]:
     try:
-        import pyarrow.parquet as pq  # type: ignore[import-not-found, unused-ignore]  # optional, maybe untyped
+        import pyarrow.parquet as pq  # type: ignore[import-not-found, import-untyped, unused-ignore]  # optional, maybe untyped
     except ImportError:
         raise DatasetError(f"{shown}: reading Parquet needs pyarrow, which is not installed where this runs: "
                            "`pip install pyarrow` into the workers' environment, or convert the file to JSON "
@@ -107,7 +107,7 @@ def read_parquet(found: Path, shown: str) -> list[Record]:
 def read_saved_dataset(found: Path, shown: str, split: str | None) -> list[Record]:
     """A `datasets` Dataset or DatasetDict saved with save_to_disk (a DatasetDict needs `split`)."""
     try:
-        import datasets  # type: ignore[import-not-found, unused-ignore]  # optional, maybe untyped
+        import datasets  # type: ignore[import-not-found, import-untyped, unused-ignore]  # optional, maybe untyped
     except ImportError:
         raise DatasetError(f"{shown}: reading a saved Hugging Face dataset needs `datasets`, which is not "
                            "installed where this runs: `pip install datasets` into the workers' environment, or "
