@@ -36,6 +36,7 @@ insert into failures (run_id, kind, workflow_id, activity_id, attempt, error_typ
 insert into activity_spans (run_id, box, activity, workflow_id, activity_id, attempt, worker, ok, started_at, finished_at)
     values ('ck', 'rollout', 'generate', 'wf', 'a1', 1, 'h:1', true, now(), now());
 insert into eval_results (run_id, version, split, n_prompts, n_correct, accuracy) values ('ck', 0, 'eval', 10, 3, 0.3);
+insert into tracker_cursors (run_id, tracker) values ('ck', 'tensorboard');
 """
 
 RUN = "insert into runs (id, workflow_id, mode, config, config_sha256) values ({id}, {wf}, {mode}, '{{}}', '" + SHA + "')"
@@ -62,6 +63,8 @@ EVAL = ("insert into eval_results (run_id, version, split, n_prompts, n_correct,
         "values ('ck', {v}, 'eval', {n}, {correct}, {acc})")
 FAIL = ("insert into failures (run_id, kind, workflow_id, activity_id, attempt, error_type, message) "
         "values ('ck', 'grade', {wf}, {act}, {attempt}, 'E', 'm')")
+
+CURSOR = "insert into tracker_cursors (run_id, tracker, step, batches) values ('ck', {tracker}, {step}, {batches})"
 
 
 def ok_group(**kw: object) -> str:
@@ -137,6 +140,9 @@ CASES: list[tuple[str, str]] = [
     ("uq_eval_results_run_id_version_split", EVAL.format(v=0, n=10, correct=1, acc=0.1)),
     ("ck_eval_results_counts_valid", EVAL.format(v=1, n=10, correct=11, acc=1)),
     ("ck_eval_results_accuracy_range", EVAL.format(v=1, n=10, correct=5, acc=1.5)),
+    ("uq_tracker_cursors_run_id_tracker", CURSOR.format(tracker="'tensorboard'", step=0, batches=0)),
+    ("ck_tracker_cursors_step_non_negative", CURSOR.format(tracker="'mlflow'", step=-1, batches=0)),
+    ("ck_tracker_cursors_batches_non_negative", CURSOR.format(tracker="'mlflow'", step=0, batches=-1)),
     ("fk_trajectories_group_id_rollout_groups",
      "insert into trajectories (run_id, group_id, sample_index) values ('ck', 123456789, 0)"),
 ]
@@ -178,6 +184,7 @@ def test_baseline_is_valid(baseline) -> None:  # type: ignore[no-untyped-def]
     baseline.exec_driver_sql(VERSION.format(v=1, steps=1, sha="'" + "b" * 64 + "'", size=1))
     baseline.exec_driver_sql(VERSION.format(v=1, steps=1, sha="'" + "b" * 64 + "'", size=1))  # retry: no-op
     baseline.exec_driver_sql(STEP.format(step=2, ng=1, loss=0.5, smax=1, fin="now()"))
+    baseline.exec_driver_sql(CURSOR.format(tracker="'mlflow'", step=3, batches=1))
     savepoint.rollback()
 
 
