@@ -168,7 +168,7 @@ class RunConfig(Strict):
     """Continue-as-new after this many steps in one workflow run (besides when Temporal suggests
     it); keeps histories short in very long runs and lets tests exercise the hand-over."""
     tracking: list[TrackerName] = []
-    """Experiment trackers that receive the run's metrics from Postgres: "tensorboard", "mlflow".
+    """Experiment trackers that receive the run's metrics from Postgres: "tensorboard", "mlflow", "wandb".
     Off the trainer's path: a tracker that is down never slows or fails the run
     (docs/tracking.md)."""
     trackers: TrackersConfig = TrackersConfig()

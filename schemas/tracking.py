@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-TrackerName = Literal["tensorboard", "mlflow"]
+TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 MLFLOW_SCHEMES = ("file", "http", "https")
 
 
@@ -44,11 +44,25 @@ class MlflowConfig(_Strict):
         return uri
 
 
+class WandbConfig(_Strict):
+    project: str = Field("rlpipe", min_length=1)
+    """W&B project of the run; the W&B run is named after the rlpipe run (its id is derived from the name)."""
+    entity: str | None = None
+    """W&B team or user; None: the API key's default entity (online) or none (offline)."""
+    mode: Literal["offline", "online"] = "offline"
+    """`offline`: local run files only, no account (upload later with `wandb sync`); `online`: streamed to
+    W&B as well, with the API key from the workers' environment (`WANDB_API_KEY`), never from the config."""
+    dir: str = ".rlpipe/wandb"
+    """Directory W&B writes its run files under (`<dir>/wandb/<mode>-run-<time>-<id>/`); relative paths
+    resolve against the worker's working directory."""
+
+
 class TrackersConfig(_Strict):
     """Per-tracker settings; only the trackers named in `tracking` are used."""
 
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     mlflow: MlflowConfig = MlflowConfig()
+    wandb: WandbConfig = WandbConfig()
 
 
 def check_tracking(names: list[TrackerName]) -> list[TrackerName]:

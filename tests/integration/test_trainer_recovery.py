@@ -304,12 +304,13 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
     real crash in the middle of a step, with its claim made and nothing committed. With 2 epochs x
     2 mini-batches the kill lands after the first epoch's two optimiser steps."""
     _, want = uninterrupted(1, several_updates)
-    # the trackers ride along (issue #23): a reachable TensorBoard and MLflow file store with one layout,
-    # an MLflow tracking server that is not there with the other
+    # the trackers ride along (issue #23): TensorBoard, an MLflow file store and W&B offline with one
+    # layout, an MLflow tracking server that is not there with the other
     mlflow_uri = f"http://127.0.0.1:{free_port()}" if several_updates else f"file:{tmp_path / 'mlruns'}"
     cfg = new_run(migrated_db, tiny_model, 1, several_updates, tracking={
-        "tracking": ["mlflow"] if several_updates else ["tensorboard", "mlflow"],
-        "trackers": {"tensorboard": {"log_dir": str(tmp_path / "tb")}, "mlflow": {"tracking_uri": mlflow_uri}}})
+        "tracking": ["mlflow"] if several_updates else ["tensorboard", "mlflow", "wandb"],
+        "trackers": {"tensorboard": {"log_dir": str(tmp_path / "tb")}, "mlflow": {"tracking_uri": mlflow_uri},
+                     "wandb": {"dir": str(tmp_path / "wandb")}}})
     with trainer_process(cfg, range(1, STEPS + 1), tmp_path / "first", child_env, pause_in=4,
                          pause_after_updates=2 if several_updates else None) as first:
         assert _read_until(first, "paused"), "the child never reached step 4"
@@ -334,21 +335,23 @@ def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[Tra
     """Steps 1-3 went out before the kill, step 4 was retried by a new trainer; then a tracking pass
     dies after its tracker took a batch but before the cursor moved (the batch stays pending): the
     next pass writes it again as a replay. Each tracker's own reader finds every step exactly once."""
-    from tests.integration.tracking_checks import mlflow_steps, tensorboard_steps  # not in the child process
+    from tests.integration.tracking_checks import mlflow_steps, tensorboard_steps, wandb_steps  # not in the child
 
-    assert first == {"tensorboard": "idle", "mlflow": "idle"}
+    everything = {"tensorboard": "idle", "mlflow": "idle", "wandb": "idle"}
+    assert first == everything
     with db.begin() as s:
-        assert [c.step for c in cursor_states(s, cfg.name)] == [3, 3]
+        assert [c.step for c in cursor_states(s, cfg.name)] == [3, 3, 3]
     for tracker in cfg.tracking:  # the pass that dies: plan, write, no completion
         with db.begin() as s:
             plan = plan_batch(s, cfg.name, tracker, max_steps=MAX_STEPS_PER_BATCH)
         assert plan is not None and (plan.first_step, plan.last_step) == (4, STEPS)
         open_sink(tracker, cfg.name, cfg.trackers).write(read_batch(db, cfg.name, plan), replay=False)
-    assert catch_up_run(db, cfg) == {"tensorboard": "idle", "mlflow": "idle"}
+    assert catch_up_run(db, cfg) == everything
     tensorboard = tensorboard_steps(tmp / "tb" / cfg.name)
     mlflow = mlflow_steps(cfg.trackers.mlflow.tracking_uri, cfg.trackers.mlflow.experiment, cfg.name)
+    wandb = wandb_steps(tmp / "wandb", cfg.name)
     every_step = list(range(1, STEPS + 1))
-    for logged in (tensorboard, mlflow):
+    for logged in (tensorboard, mlflow, wandb):
         for tag in ("train/loss", "train/reward_mean", "train/entropy", "train/kl_sampler", "reward/p50",
                     "train/tokens_per_s", "phase/claim_s", "phase/engine_s"):
             assert logged[tag] == every_step, (tag, logged[tag])
@@ -357,7 +360,7 @@ def assert_every_step_tracked_once(db: Database, cfg: RunConfig, first: dict[Tra
             {f"staleness/share_{k - 1}": [k] for k in every_step}
         assert all(len(steps) == len(set(steps)) for steps in logged.values()), "a point logged twice"
     with db.begin() as s:
-        assert [(c.step, c.error) for c in cursor_states(s, cfg.name)] == [(STEPS, None), (STEPS, None)]
+        assert [(c.step, c.error) for c in cursor_states(s, cfg.name)] == [(STEPS, None)] * 3
 
 
 def assert_unreachable_tracker_reported(db: Database, cfg: RunConfig, first: dict[TrackerName, Outcome]) -> None:

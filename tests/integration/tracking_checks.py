@@ -47,6 +47,21 @@ def mlflow_steps(tracking_uri: str, experiment: str, run_name: str) -> dict[str,
     return {key: sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) for key in run.data.metrics}
 
 
+def wandb_steps(root: Path, run_name: str) -> dict[str, list[int]]:
+    """Key -> the `rlpipe/step`s it was logged at, over every transaction log of the W&B run of
+    `run_name` under `root`, in the order W&B wrote them (a step twice means logged twice)."""
+    from rlpipe.tracking import wandb_files
+    from rlpipe.tracking.wandb_sink import STEP_KEY, wandb_run_id
+
+    logged: dict[str, list[int]] = {}
+    for log in wandb_files.run_logs(root, wandb_run_id(run_name)):
+        for row in wandb_files.history(log):
+            for key in row.keys() - {STEP_KEY} if STEP_KEY in row else ():
+                if not key.startswith("_"):
+                    logged.setdefault(key, []).append(int(row[STEP_KEY]))  # type: ignore[call-overload]
+    return logged
+
+
 @contextmanager
 def tensorboard_server(log_dir: Path, tags: list[str]) -> Iterator[str]:
     """TensorBoard serving `log_dir` on a free loopback port, once it has loaded `tags` (it reads the

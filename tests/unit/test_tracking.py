@@ -29,7 +29,8 @@ T0 = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
 @pytest.mark.parametrize(("data", "says"), [
     ({"tracking": ["tensorboard", "tensorboard"]}, "tracking: tracker(s) tensorboard named more than once"),
-    ({"tracking": ["neptune"]}, "tracking.0: Input should be 'tensorboard' or 'mlflow'"),
+    ({"tracking": ["neptune"]}, "tracking.0: Input should be 'tensorboard', 'mlflow' or 'wandb'"),
+    ({"trackers": {"wandb": {"mode": "disabled"}}}, "trackers.wandb.mode: Input should be 'offline' or 'online'"),
     ({"trackers": {"mlflow": {"tracking_uri": "mlruns"}}}, "trackers.mlflow.tracking_uri: tracking_uri 'mlruns' has "
                                                            "scheme '(none)'; use one of file:, http:, https:"),
     ({"trackers": {"mlflow": {"tracking_uri": "http:///x"}}}, "names no host: write it as http://HOST:PORT"),
@@ -101,5 +102,5 @@ def test_status_warns_of_a_tracker_that_is_not_receiving() -> None:
 
 def test_importing_rlpipe_and_the_tracking_loop_loads_no_tracker_package() -> None:
     code = ("import sys, rlpipe, rlpipe.schemas.config, rlpipe.tracking.follow; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensorboard', 'mlflow'}))")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensorboard', 'mlflow', 'wandb'}))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

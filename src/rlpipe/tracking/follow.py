@@ -119,7 +119,14 @@ def catch_up(db: Database, run_id: str, tracker: TrackerName, sink: Sink, wait: 
 
 def catch_up_run(db: Database, cfg: RunConfig) -> dict[TrackerName, Outcome]:
     """Bring every tracker of the run up to what Postgres committed now (the demo, after its run)."""
-    return {t: catch_up(db, cfg.name, t, open_sink(t, cfg.name, cfg.trackers)) for t in cfg.tracking}
+    outcomes: dict[TrackerName, Outcome] = {}
+    for tracker in cfg.tracking:
+        sink = open_sink(tracker, cfg.name, cfg.trackers)
+        try:
+            outcomes[tracker] = catch_up(db, cfg.name, tracker, sink)
+        finally:
+            sink.close()
+    return outcomes
 
 
 @dataclass
@@ -148,7 +155,7 @@ class TrackingLoop:
 
     def one_round(self) -> None:
         followed: set[tuple[str, TrackerName]] = set()
-        for run_id, config in self._runs():
+        for run_id, config, active in self._runs():
             try:
                 cfg = RunConfig.model_validate(config)
             except ValueError:  # a rejected run's config, as given: it never ran, nothing to track
@@ -171,16 +178,22 @@ class TrackingLoop:
                     follower.retry_at = time.monotonic() + BACKOFF_S[min(follower.failures, len(BACKOFF_S)) - 1]
                 else:
                     follower.failures = 0
+                if outcome == "idle" and not active and follower.sink is not None:
+                    # an ended run that its tracker has whole: let the tracker close it (W&B marks the run
+                    # finished); a late record (an evaluation) opens it again
+                    follower.sink.close()
+                    follower.sink = None
         for key in set(self.followers) - followed:  # runs no longer followed
             sink = self.followers.pop(key).sink
             if sink is not None:
                 sink.close()
 
-    def _runs(self) -> list[tuple[str, dict[str, object]]]:
+    def _runs(self) -> list[tuple[str, dict[str, object], bool]]:
+        """(run id, config, whether it is still running or paused) of each run to follow."""
         with self.db.begin() as s:
             rows = s.execute(sa.text(f"""
-                select id, config from runs
+                select id, config, status in ('running', 'paused') from runs
                 where jsonb_typeof(config -> 'tracking') = 'array' and jsonb_array_length(config -> 'tracking') > 0
                   and (status in ('running', 'paused') or finished_at > now() - interval '{FOLLOW_FINISHED_FOR}')
                 order by created_at"""))
-            return [(run_id, config) for run_id, config in rows]
+            return [(run_id, config, active) for run_id, config, active in rows]

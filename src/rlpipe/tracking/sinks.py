@@ -1,5 +1,5 @@
 """A tracker as a sink of batches, and how each one is opened (their packages load only here, lazily:
-`import rlpipe` and a run without trackers never import tensorboard or mlflow)."""
+`import rlpipe` and a run without trackers never import tensorboard, mlflow or wandb)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def open_sink(name: TrackerName, run_id: str, trackers: TrackersConfig) -> Sink:
         from rlpipe.tracking.tensorboard_sink import TensorBoardSink
 
         return TensorBoardSink(Path(trackers.tensorboard.log_dir) / run_id)
-    from rlpipe.tracking.mlflow_sink import MlflowSink
+    if name == "mlflow":
+        from rlpipe.tracking.mlflow_sink import MlflowSink
 
-    return MlflowSink(run_id, trackers.mlflow)
+        return MlflowSink(run_id, trackers.mlflow)
+    from rlpipe.tracking.wandb_sink import WandbSink
+
+    return WandbSink(run_id, trackers.wandb)
