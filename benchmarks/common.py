@@ -68,11 +68,12 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def write_result(name: str, data: dict[str, Any]) -> Path:
-    """benchmarks/results/<name>.json with the machine, the command and the UTC time stamped in."""
+def write_result(name: str, data: dict[str, Any], command: str | None = None) -> Path:
+    """benchmarks/results/<name>.json with the machine, the command (by default the module of the
+    same name, without arguments) and the UTC time stamped in."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "command": f".venv/bin/python -m benchmarks.{name}",
+    payload = {"benchmark": name, "command": command or f".venv/bin/python -m benchmarks.{name}",
                "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
                "machine": machine(), **data}
     path.write_text(json.dumps(payload, indent=2, default=_jsonable))

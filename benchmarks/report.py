@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from benchmarks.async_vs_sync import HEADLINE
@@ -170,35 +171,42 @@ def sync_interval_table(runs: dict[str, Any]) -> str:
 
 
 def trainer_section(d: dict[str, Any]) -> str:
-    """The in-process profile of the trainer's step, publishing and not, against the bare loop;
-    then the Temporal worker's recorded steps when async_vs_sync left them."""
+    """The in-process profile of the trainer's publishing step against the bare loop, with uploads
+    beside the next step and (when measured) inside the step; then the Temporal worker's recorded
+    steps when async_vs_sync left them."""
     parts, speed = [header(d)], ["what", "tokens/s", "speed relative to the bare loop"]
     if "phases" in d:   # the profile (this module alone); async_vs_sync may have written only "worker"
         names = {"claim_s": "claim the batch (Postgres)", "read_s": "read the claimed trajectories (Postgres)",
                  "plan_s": "advantages, denominators, collate (plan_step)",
                  "engine_s": "engine step: forward, loss + metrics, backward, clip, AdamW",
+                 "upload_wait_s": "wait for the previous version's background upload",
                  "save_s": "publish: safetensors checkpoint to disk",
-                 "upload_s": "publish: checkpoint files + manifest to S3",
-                 "train_state_s": "publish: optimizer state (torch.save + S3)",
+                 "hash_s": "publish: sha256 of the checkpoint's files",
+                 "train_state_s": "publish: optimizer state (torch.save; to S3 with the upload)",
+                 "upload_s": "publish: files + manifest to S3 in the step (the run's last; before #16: every)",
                  "probe_s": "publish: probe (teacher-forced logprobs + 16 greedy forwards)",
                  "commit_and_rest_s": "committed check, batch metrics, commit, the rest", "wall_s": "whole step"}
-        ratios = [["trainer step, publishing (a sync step): claim … commit", fmt(d["trainer_tokens_per_s"], 0),
-                   fmt(d["trainer_over_bare"], 2)],
-                  ["trainer step, not publishing (sync.interval > 1)", fmt(d["trainer_no_publish_tokens_per_s"], 0),
-                   fmt(d["trainer_over_bare_no_publish"], 2)],
+        before = d.get("foreground_uploads")
+        ratios = [["trainer step, publishing every step, uploads beside the next step: claim … commit",
+                   fmt(d["trainer_tokens_per_s"], 0), fmt(d["trainer_over_bare"], 2)],
+                  *([["the same steps, each upload inside its step (before #16), run right after",
+                      fmt(before["trainer_tokens_per_s"], 0), fmt(before["trainer_over_bare"], 2)]] if before else []),
                   ["its engine step alone (LocalEngine.step)", fmt(d["engine_tokens_per_s"], 0),
                    fmt(d["engine_over_bare"], 2)],
-                  ["bare PyTorch loop, same batch, right after the step", fmt(d["bare_tokens_per_s"], 0), "1"]]
-        ph, shape = d["phases"], d["shape"]
-        phases = [[names[k], f"{ph['publish'][k] * 1000:.1f}", f"{ph['no_publish'][k] * 1000:.1f}"] for k in names]
-        parts += [f"`Trainer.train_step` in the benchmark's process on a private Postgres + SeaweedFS, the tiny "
-                  f"model, {shape['groups_per_step']} groups × {shape['group_size']} samples (~1k tokens) per step; "
-                  f"{len(d['steps'])} steps, alternately publishing and not, each followed by {d['repeats']} "
-                  f"bare-loop steps on its batch. Publish share of a publishing step: {fmt(d['publish_share'], 2)}.\n",
+                  ["bare PyTorch loop, same batches", fmt(d["bare_tokens_per_s"], 0), "1"]]
+        shape = d["shape"]
+        runs = [d["phases"], *([before["phases"]] if before else [])]
+        phases = [[names[k], *(f"{ph[k] * 1000:.1f}" if k in ph else "–" for ph in runs)] for k in names]
+        parts += [f"`Trainer.train_step` in the benchmark's process on a private Postgres + SeaweedFS, the "
+                  f"{Path(d['model']).name} model, {shape['groups_per_step']} groups × {shape['group_size']} samples "
+                  "(~1k tokens) per step; "
+                  f"{len(d['steps'])} counted steps, every one publishing, back to back; then {d['repeats']} "
+                  f"bare-loop steps on each one's batch. Publish share of a step: {fmt(d['publish_share'], 2)}.\n",
                   table(speed, ratios),
                   "\nWhere a step's time goes (median ms; the phases are what the trainer records in "
                   "`train_steps.metrics`, the rest is the wall time less them):\n",
-                  table(["phase", "publishing step (ms)", "step without publish (ms)"], phases)]
+                  table(["phase", "uploads beside the next step (ms)",
+                         *(["uploads inside the step (ms)"] if before else [])], phases)]
     w = d.get("worker")
     if w:
         parts += [f"\nThe Temporal trainer worker's recorded steps (`{w['command']}`, {len(w['steps'])} sync-run "
@@ -261,6 +269,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ("2. Orchestration overhead: Temporal vs bare asyncio", "orchestration", orchestration_section),
     ("3. Weight sync end to end vs the raw byte copy", "weight_sync", weight_sync_section),
     ("4. Trainer efficiency", "trainer_efficiency", trainer_section),
+    ("4b. Trainer efficiency, SmolLM2-135M", "trainer_efficiency_smollm2", trainer_section),
     ("5. Grader throughput", "graders", graders_section),
     ("6. Peer comparison: TRL GRPOTrainer", "trl_grpo", trl_section),
 ]

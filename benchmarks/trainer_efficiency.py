@@ -3,17 +3,21 @@
 The profile (this module alone, `main`): a private Postgres + SeaweedFS (no vLLM, no Temporal), a
 buffer of synthetic completed groups at the benchmark's tiny shape (2 groups x 4 samples, ~1k
 tokens), and the trainer's own `Trainer.train_step` in this process -- claim, read and plan the
-batch, engine step, metrics, checkpoint publish (safetensors, S3 upload, optimizer state, probe
-logprobs), commit. Steps alternate publishing (a sync step) and not (sync.interval > 1); after each
-step a bare loop (forward, policy-gradient loss, backward, clip, AdamW) runs on the very same batch,
-so the shared machine's noise hits both. The phases are the seconds the trainer records in
-`train_steps.metrics`; "commit and rest" is the step's wall time less them.
+batch, engine step, metrics, checkpoint publish (safetensors, hash, optimizer state, probe logprobs;
+the S3 upload beside the next step), commit. Every step publishes (sync.interval 1, the default) and
+the steps run back to back, so each one carries the previous version's upload as the pipeline's
+trainer does (its wait, and the cores the upload takes); then a bare loop (forward, policy-gradient
+loss, backward, clip, AdamW) runs on each step's very batch. The same steps run a second time with
+every upload inside its step (the trainer before issue #16), for the comparison. The phases are the
+seconds the trainer records in `train_steps.metrics`; "commit and rest" is the step's wall time less
+them.
 
 `make bench` also calls `record` at the end of benchmarks/async_vs_sync.py: the Temporal worker's
 recorded steps of its sync runs (worker process, beside vLLM and four other workers), replayed
 through the engine and the bare loop; they go under "worker" beside the profile.
 
     .venv/bin/python -m benchmarks.trainer_efficiency
+    .venv/bin/python -m benchmarks.trainer_efficiency --model smollm2 --steps 8 --repeats 1
 """
 
 from __future__ import annotations
@@ -141,14 +145,17 @@ def fill_buffer(db, run_id: str, groups: int, group_size: int, seed: int = 0) ->
                                 status="completed", reason=None)
 
 
-PHASES = ("claim_s", "read_s", "plan_s", "engine_s", "save_s", "upload_s", "train_state_s", "probe_s")
-"""What `Trainer.train_step` records, in step order; the last four make up its publish_s."""
+PHASES = ("claim_s", "read_s", "plan_s", "engine_s", "upload_wait_s", "save_s", "hash_s", "train_state_s", "probe_s",
+          "upload_s")
+"""What `Trainer.train_step` records, in step order; from upload_wait_s on they make up its publish_s (a
+step that does not publish records only the wait, for the upload of the version before it)."""
 
 
 def profile(db, store, model_dir: Path, steps: int = 24, repeats: int = 3,  # type: ignore[no-untyped-def]
-            group_size: int = 4, groups_per_step: int = 2) -> dict[str, Any]:
-    """`steps` steps of `Trainer.train_step` in this process, even ones publishing, each followed by
-    `repeats` bare-loop steps on its batch; the first two steps warm up and are not counted."""
+            group_size: int = 4, groups_per_step: int = 2, background_uploads: bool = True) -> dict[str, Any]:
+    """`steps` publishing steps of `Trainer.train_step` in this process back to back, then `repeats`
+    bare-loop steps on each one's batch; the first two steps warm up and are not counted. With
+    `background_uploads` False every publish uploads inside its step (the trainer before issue #16)."""
     import tempfile
     import uuid
 
@@ -171,27 +178,26 @@ def profile(db, store, model_dir: Path, steps: int = 24, repeats: int = 3,  # ty
     model = load_policy(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
     work = tempfile.TemporaryDirectory(prefix="rlpipe-bench-trainer-")   # the trainer's checkpoint cache
-    trainer = Trainer(db, store, RunContexts(db), Path(work.name))
+    trainer = Trainer(db, store, RunContexts(db), Path(work.name), background_uploads=background_uploads)
     pad = trainer.contexts.get(cfg.name).tokenizer.pad_token_id or 0
-    walls, bares, version = {}, {}, 0
+    walls, bares = {}, {}
     try:
         trainer.init_policy(cfg.name)
         for step in range(1, steps + 1):
-            publish = step % 2 == 0
-            inp = TrainStepInput(run_id=cfg.name, step=step, policy_version=version, min_trained_steps=0,
-                                 groups_per_step=groups_per_step, publish=publish)
+            inp = TrainStepInput(run_id=cfg.name, step=step, policy_version=step - 1, min_trained_steps=0,
+                                 groups_per_step=groups_per_step, publish=True)
             walls[step] = timed(lambda: trainer.train_step(inp))  # noqa: B023 - called at once
-            version += publish
-            samples = step_samples(db, cfg.name, step)
-            batch = collate(samples, global_stats(samples, world_size=1), pad_token_id=pad)
-            bares[step] = summarize([timed(lambda: bare_step(model, opt, batch))  # noqa: B023 - called at once
-                                  for _ in range(repeats)]).median
     finally:
-        trainer.close()
+        trainer.shutdown()
         work.cleanup()
+    for step in range(1, steps + 1):
+        samples = step_samples(db, cfg.name, step)
+        batch = collate(samples, global_stats(samples, world_size=1), pad_token_id=pad)
+        bares[step] = summarize([timed(lambda: bare_step(model, opt, batch))  # noqa: B023 - called at once
+                                 for _ in range(repeats)]).median
     with db.begin() as s:
         recorded = step_metrics(s, cfg.name)
-    rows = [{"step": st.step, "publish": st.published_version is not None, "tokens": st.n_tokens,
+    rows = [{"step": st.step, "tokens": st.n_tokens,
              "wall_s": walls[st.step], "bare_s": bares[st.step],
              **{k: st.metrics.get(k, 0.0) for k in PHASES + ("publish_s",)}} for st in recorded if st.step > 2]
     return {"run": cfg.name, "model": str(model_dir), "steps": rows, "repeats": repeats,
@@ -200,44 +206,55 @@ def profile(db, store, model_dir: Path, steps: int = 24, repeats: int = 3,  # ty
 
 
 def summaries(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Tokens/s and ratios over the bare loop (publishing steps: `trainer_*`; the others:
-    `*_no_publish`), and the median seconds of every phase for both kinds of step."""
-    pub, nopub = [r for r in rows if r["publish"]], [r for r in rows if not r["publish"]]
-
-    def phases(rs: list[dict[str, Any]]) -> dict[str, float]:
-        out = {k: summarize([r[k] for r in rs]).median for k in PHASES}
-        out["commit_and_rest_s"] = summarize([r["wall_s"] - sum(r[k] for k in PHASES) for r in rs]).median
-        out["wall_s"] = summarize([r["wall_s"] for r in rs]).median
-        return out
-
-    return {"trainer_tokens_per_s": summarize([r["tokens"] / r["wall_s"] for r in pub]),
-            "trainer_no_publish_tokens_per_s": summarize([r["tokens"] / r["wall_s"] for r in nopub]),
+    """Tokens/s and ratios over the bare loop of the (publishing) steps, and the median seconds of
+    every phase."""
+    phases = {k: summarize([r[k] for r in rows]).median for k in PHASES}
+    phases["commit_and_rest_s"] = summarize([r["wall_s"] - sum(r[k] for k in PHASES) for r in rows]).median
+    phases["wall_s"] = summarize([r["wall_s"] for r in rows]).median
+    return {"trainer_tokens_per_s": summarize([r["tokens"] / r["wall_s"] for r in rows]),
             "engine_tokens_per_s": summarize([r["tokens"] / r["engine_s"] for r in rows]),
             "bare_tokens_per_s": summarize([r["tokens"] / r["bare_s"] for r in rows]),
             "engine_over_bare": summarize([r["bare_s"] / r["engine_s"] for r in rows]),
-            "trainer_over_bare": summarize([r["bare_s"] / r["wall_s"] for r in pub]),
-            "trainer_over_bare_no_publish": summarize([r["bare_s"] / r["wall_s"] for r in nopub]),
-            "publish_share": summarize([r["publish_s"] / r["wall_s"] for r in pub]),
-            "phases": {"publish": phases(pub), "no_publish": phases(nopub)}}
+            "trainer_over_bare": summarize([r["bare_s"] / r["wall_s"] for r in rows]),
+            "publish_share": summarize([r["publish_s"] / r["wall_s"] for r in rows]),
+            "phases": phases}
 
 
 
 def main() -> None:
-    from benchmarks.common import private_stack, tiny_model
+    import argparse
+
+    from benchmarks.common import private_stack, smollm2_model, tiny_model
     from rlpipe.infra.endpoints import resolve_endpoints
     from rlpipe.storage.db import Database
     from rlpipe.storage.object_store import ObjectStore
 
-    model = tiny_model()
+    parser = argparse.ArgumentParser(description="The trainer's step against a bare PyTorch loop on the same batch.")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                        help="tiny: results/trainer_efficiency.json; smollm2: results/trainer_efficiency_smollm2.json")
+    parser.add_argument("--steps", type=int, default=24, help="train steps, every second one publishing")
+    parser.add_argument("--repeats", type=int, default=3, help="bare-loop steps after each train step")
+    args = parser.parse_args()
+    model = tiny_model() if args.model == "tiny" else smollm2_model()
     with private_stack(only=["postgres", "seaweedfs"]) as stack:
         endpoints = resolve_endpoints(stack.settings)
         db, store = Database(endpoints.database_url), ObjectStore.from_endpoints(endpoints)
         store.ensure_bucket()
         try:
-            worker = {k: v for k, v in _previous().items() if k == "worker"}   # async_vs_sync's, if any
-            print(write_result(NAME, {**profile(db, store, model), **worker}))
+            result = profile(db, store, model, steps=args.steps, repeats=args.repeats)
+            # the same steps with every upload inside its step, as before issue #16, for the comparison
+            before = profile(db, store, model, steps=args.steps, repeats=args.repeats, background_uploads=False)
+            result["foreground_uploads"] = {k: before[k] for k in ("run", "trainer_over_bare", "publish_share",
+                                                                   "trainer_tokens_per_s", "phases")}
         finally:
             db.dispose()
+    if args.model == "tiny":
+        worker = {k: v for k, v in _previous().items() if k == "worker"}   # async_vs_sync's, if any
+        print(write_result(NAME, {**result, **worker}))
+    else:
+        command = (f".venv/bin/python -m benchmarks.{NAME} --model smollm2 --steps {args.steps} "
+                   f"--repeats {args.repeats}")
+        print(write_result(f"{NAME}_smollm2", result, command=command))
 
 
 if __name__ == "__main__":

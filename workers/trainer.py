@@ -30,4 +30,4 @@ async def run_trainer_worker() -> None:
     try:
         await worker.run()
     finally:
-        trainer.close()  # stop the data-parallel ranks (they also exit by themselves if this process dies)
+        trainer.shutdown()  # the upload in flight, then the data-parallel ranks (they also exit if this process dies)

@@ -92,7 +92,9 @@ def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bo
         **(tracking or {}),
     })
     with db.begin() as s:
-        register_run(s, cfg)
+        # registered without its trackers: a rollout worker of the session (its tracking loop) must not
+        # follow the run, whose tracker passes the tests drive and count themselves
+        register_run(s, cfg.model_copy(update={"tracking": []}))
     fill_buffer(db, cfg)
     return cfg
 
@@ -247,7 +249,7 @@ def uninterrupted(migrated_db: Database, object_store: ObjectStore, tiny_model: 
             try:
                 run_steps(trainer, cfg, range(1, STEPS + 1))
             finally:
-                trainer.close()
+                trainer.shutdown()
             done[world_size, several_updates] = cfg, final_state(migrated_db, object_store, cfg.name, tmp)
         return done[world_size, several_updates]
 
@@ -267,7 +269,7 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
         try:
             run_steps(trainer, cfg, steps)
         finally:
-            trainer.close()  # all a kill leaves behind: nothing in memory, ranks gone
+            trainer.shutdown()  # nothing in memory, ranks gone (its last upload ended: the kill is below)
     assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
     metrics = step_metrics(migrated_db, cfg.name)
     assert_replayed(metrics[2], version=0, steps=1)
@@ -276,10 +278,13 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     assert all("replayed_steps" not in metrics[s] for s in (1, 3))
     assert stored_train_states(object_store, cfg.name) == {4, 5}
     # every step records its phases (benchmarks/trainer_efficiency.py); only publishing steps the publish's,
-    # and only those that store the optimizer state its seconds
-    train_phases, publish_phases = {"claim_s", "read_s", "plan_s", "engine_s"}, {"save_s", "upload_s", "probe_s"}
+    # only those that store the optimizer state its seconds, and only the last its upload (the others
+    # upload beside the next step, which records the wait for it)
+    train_phases = {"claim_s", "read_s", "plan_s", "engine_s", "upload_wait_s"}
+    publish_phases = {"save_s", "hash_s", "probe_s"}
     assert train_phases | publish_phases <= metrics[2].keys() and "train_state_s" not in metrics[2]
-    assert train_phases | publish_phases | {"train_state_s"} <= metrics[4].keys()
+    assert train_phases | publish_phases | {"train_state_s"} <= metrics[4].keys() and "upload_s" not in metrics[4]
+    assert train_phases | publish_phases | {"train_state_s", "upload_s"} <= metrics[5].keys()
     assert train_phases <= metrics[3].keys() and not publish_phases & metrics[3].keys()
     # replay read the recorded claims and claimed nothing: every group once, by the same step as before
     assert claimed_steps(migrated_db, cfg.name) == claimed_steps(migrated_db, baseline.name)
@@ -289,6 +294,45 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
         bounds = dict(s.execute(sa.text("select step, max_staleness from train_steps where run_id = :r"),
                                 {"r": cfg.name}).all())
     assert bounds == {step: step - 1 for step in range(1, STEPS + 1)}
+
+
+@pytest.mark.parametrize("same_machine", [False, True], ids=["another-machine", "same-machine"])
+def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
+        same_machine: bool, uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore,
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Version 2 (step 4) is committed, but its upload died with its trainer: its manifest never
+    reached S3 (nor, on another machine, its optimizer state). The next trainer uploads it from the
+    machine's cache when it runs on the same machine, and otherwise re-creates it by replaying steps
+    1..4 from version 0, with the committed weights' sha256, before it trains step 5."""
+    _, want = uninterrupted(1, False)
+    cfg = new_run(migrated_db, tiny_model, 1)
+    first = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-1")
+    try:
+        run_steps(first, cfg, range(1, 5))
+    finally:
+        first.shutdown()
+    object_store.delete(manifest_key(cfg.name, 2))
+    if not same_machine:
+        object_store.delete(train_state_key(cfg.name, 4))
+    second = Trainer(migrated_db, object_store, RunContexts(migrated_db),
+                     tmp_path / ("work-1" if same_machine else "work-2"))
+    try:
+        run_steps(second, cfg, range(5, STEPS + 1))
+    finally:
+        second.shutdown()
+    assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
+    with migrated_db.begin() as s:
+        committed = s.execute(sa.text("select sha256 from policy_versions where run_id = :r and version = 2"),
+                              {"r": cfg.name}).scalar()
+    assert load_manifest(object_store, manifest_key(cfg.name, 2)).weights.sha256 == committed
+    assert stored_train_states(object_store, cfg.name) == {4, 5}
+    metrics = step_metrics(migrated_db, cfg.name)[5]
+    if same_machine:  # uploaded from the cache: a durable version with its state, nothing to replay
+        assert_replayed(metrics, version=2, steps=0)
+        assert metrics["recreated_versions"] == 0
+    else:
+        assert_replayed(metrics, version=0, steps=4)
+        assert metrics["recreated_versions"] == 1
 
 
 @pytest.fixture
@@ -419,7 +463,7 @@ def child_main() -> None:
         run_steps(trainer, cfg, range(args["first"], args["last"] + 1), pause_in=args["pause_in"],
                   pause_after_updates=args["pause_after_updates"])
     finally:
-        trainer.close()
+        trainer.shutdown()
 
 
 if __name__ == "__main__":

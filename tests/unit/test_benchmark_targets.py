@@ -49,6 +49,9 @@ def test_the_trainer_ratio_counts_only_for_the_model_it_names() -> None:
     found = by_name(targets(RESULTS))
     assert found["trainer_step_over_bare_tiny"].value == 0.17
     assert (found["trainer_step_over_bare_smollm2"].value, found["trainer_step_over_bare_smollm2"].met) == (None, None)
+    smollm2 = stamped(model="/home/u/.rlpipe/models/smollm2", trainer_over_bare=summary(0.5))
+    found = by_name(targets({**RESULTS, "trainer_efficiency_smollm2": smollm2}))
+    assert (found["trainer_step_over_bare_smollm2"].value, found["trainer_step_over_bare_smollm2"].met) == (0.5, False)
 
 
 def test_missing_results_are_not_measured_and_say_which_file() -> None:

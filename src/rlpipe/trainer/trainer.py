@@ -5,7 +5,9 @@
                       retry gets the same groups back)
                     bring the policy to step s - 1 (restore + replay after a restart or a failure)
                     one optimiser step on the engine (this process or data-parallel ranks: engine.py)
-                    publish a checkpoint if asked (S3: weights + optimizer state; probe logprobs)
+                    publish a checkpoint if asked: save + hash + probe logprobs here, the upload
+                      to S3 (weights + optimizer state) in the background, beside the next step
+                    wait for the previous version's upload (never commit past an undurable version)
                     commit: train_steps row (+ policy_versions row) in one transaction
 
 Exact recovery. Publishing version v after step k stores the weights (what inference servers load)
@@ -16,15 +18,25 @@ optimizer state is stored (or the base, version 0) and replays steps k + 1 .. s 
 batches (`claimed_trajectories`: the groups each committed step claimed; a replay claims nothing).
 A step's batch, plan and seed are pure functions of what Postgres holds, so the replay redoes the
 same arithmetic and the parameters equal those of a trainer that never stopped.
+
+Uploads off the critical path. A published version is saved into this machine's cache, hashed and
+probed, committed, and uploaded by a background thread while the next step computes; a sidecar on
+this filesystem loads it from the cache at once, any other waits for its manifest. The next step
+commits only once that upload has ended (retried once in the foreground if it failed), and the
+run's last step uploads before it returns. A trainer that died with an upload in flight leaves a
+committed version without a manifest: the next restore uploads it from the cache, or, on a machine
+without it, re-creates it by the same exact replay and checks its sha256 against the committed one.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +45,7 @@ from typing import Any
 import sqlalchemy as sa
 import torch
 
-from rlpipe.policy.checkpoint import save_checkpoint
+from rlpipe.policy.checkpoint import WEIGHTS_FILE, save_checkpoint
 from rlpipe.rl.batching import plan_updates
 from rlpipe.rollout.context import RunContext, RunContexts
 from rlpipe.schemas.payloads import PublishedVersion, StepSummary, TrainStepInput
@@ -46,13 +58,15 @@ from rlpipe.trainer.probe import make_probe, probe_ids
 from rlpipe.trainer.samples import batch_metrics, staleness, to_samples, trajectory_metrics
 from rlpipe.weights.checkpoints import (
     Manifest,
+    describe_checkpoint,
     download_checkpoint,
     load_manifest,
     local_version_dir,
     manifest_key,
     stored_train_states,
+    stored_versions,
     train_state_key,
-    upload_checkpoint,
+    upload_described,
 )
 
 log = logging.getLogger("rlpipe.trainer")
@@ -63,7 +77,8 @@ class Trainer:
     """Holds one run's policy and optimizer (through an `Engine`); a trainer worker has one and
     runs one activity at a time."""
 
-    def __init__(self, db: Database, store: ObjectStore, contexts: RunContexts, work_dir: Path) -> None:
+    def __init__(self, db: Database, store: ObjectStore, contexts: RunContexts, work_dir: Path, *,
+                 background_uploads: bool = True) -> None:
         self.db = db
         self.store = store
         self.contexts = contexts
@@ -73,6 +88,12 @@ class Trainer:
         self.run_id: str | None = None
         self.applied_step = -1
         """The last step of `run_id` whose update the engine holds (-1: no engine)."""
+        self.background_uploads = background_uploads
+        """False: every publish uploads inside its step (the benchmark's comparison)."""
+        self.uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpipe-upload")
+        self.upload: Future[None] | None = None
+        """The upload of the newest version this process published, while it may still be running."""
+        self.upload_job: Callable[[], None] | None = None
 
     # -- entry points ---------------------------------------------------------------------------
     def init_policy(self, run_id: str) -> PublishedVersion:
@@ -109,18 +130,34 @@ class Trainer:
             published = None
             if inp.publish:
                 with timed(timings, "publish_s"):
+                    # the last step uploads before it returns: nothing follows to hide it behind
                     published = self._publish(ctx, version=inp.policy_version + 1, trained_steps=inp.step,
-                                              timings=timings)
+                                              timings=timings,
+                                              background=self.background_uploads and inp.step < ctx.config.steps)
+            else:
+                with timed(timings, "upload_wait_s"):
+                    self._finish_upload()
             return self._commit(inp, claim, metrics | restored | timings, started, published)
         except BaseException:
             self.close()  # the engine may be mid-step or past the committed state: the retry restores
             raise
 
     def close(self) -> None:
-        """Stop the engine (and its data-parallel ranks); the next step restores from the store."""
+        """Stop the engine (and its data-parallel ranks); the next step restores from the store. An
+        upload in flight goes on (the restore waits for it)."""
         if self.engine is not None:
             self.engine.close()
         self.engine, self.run_id, self.applied_step = None, None, -1
+
+    def shutdown(self) -> None:
+        """The worker is stopping: let the upload in flight end (a failure is left to the next
+        trainer's restore, which finds the version missing), then close."""
+        try:
+            self._finish_upload()
+        except Exception:  # noqa: BLE001 - a committed version without its upload is repaired by a restore
+            log.warning("the last upload failed; the next trainer re-creates that version", exc_info=True)
+        self.uploader.shutdown()
+        self.close()
 
     # -- state --------------------------------------------------------------------------------------
     def _bring_to(self, ctx: RunContext, step: int, heartbeat: Heartbeat) -> dict[str, float]:
@@ -129,17 +166,50 @@ class Trainer:
         run_id = ctx.config.name
         if self.engine is not None and self.run_id == run_id and self.applied_step == step:
             return {}
-        base = self._restore_base(run_id, step)
-        log.info("restoring run %s: version %d (step %d), replaying steps %d..%d", run_id, base.version,
-                 base.trained_steps, base.trained_steps + 1, step)
+        try:
+            self._finish_upload()
+        except Exception:  # noqa: BLE001 - the version it lacks is found and re-created below
+            log.warning("the upload of the last version published here failed; re-creating it", exc_info=True)
+        lost = self._lost_versions(ctx, step)
+        base = self._restore_base(run_id, min([step, *(v.trained_steps - 1 for v in lost.values())]))
+        log.info("restoring run %s: version %d (step %d), replaying steps %d..%d%s", run_id, base.version,
+                 base.trained_steps, base.trained_steps + 1, step,
+                 f", re-creating lost version(s) {sorted(v.version for v in lost.values())}" if lost else "")
         directory = local_version_dir(self.work_dir, run_id, base.version)
         download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
         optimizer_state = self._load_train_state(run_id, base.trained_steps) if base.trained_steps > 0 else None
         self._open(ctx, directory, optimizer_state, base.trained_steps)
         for replay in range(base.trained_steps + 1, step + 1):
             self._apply(ctx, replay)
+            if replay in lost:
+                self._publish(ctx, lost[replay].version, replay, expect_sha256=lost[replay].sha256)
             heartbeat()
-        return {"restored_version": float(base.version), "replayed_steps": float(step - base.trained_steps)}
+        return {"restored_version": float(base.version), "replayed_steps": float(step - base.trained_steps),
+                "recreated_versions": float(len(lost))}
+
+    def _lost_versions(self, ctx: RunContext, step: int) -> dict[int, PolicyVersion]:
+        """Committed versions trained for at most `step` steps whose upload never finished (a trainer
+        died with it in flight), by trained steps. Those whose files this machine still has are
+        uploaded now; the others are returned, to be re-created by the replay."""
+        run_id = ctx.config.name
+        durable = stored_versions(self.store, run_id)
+        with self.db.begin() as s:
+            missing = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
+                                                               PolicyVersion.trained_steps <= step,
+                                                               PolicyVersion.version.not_in(durable))
+                                .order_by(PolicyVersion.version)).all()
+        lost = {}
+        for row in missing:
+            cached = local_version_dir(self.work_dir, run_id, row.version)
+            manifest = describe_checkpoint(run_id, row.version, row.trained_steps, cached) \
+                if (cached / WEIGHTS_FILE).exists() else None
+            if manifest is not None and manifest.weights.sha256 == row.sha256:
+                log.info("uploading version %d of run %s from this machine's copy (its upload never finished)",
+                         row.version, run_id)
+                upload_described(self.store, manifest, cached)
+            else:
+                lost[row.trained_steps] = row
+        return lost
 
     def _open(self, ctx: RunContext, weights_dir: Path, optimizer_state: dict[str, Any] | None, step: int) -> None:
         """Replace the engine by one holding `weights_dir` and `optimizer_state` as step `step`."""
@@ -176,12 +246,13 @@ class Trainer:
     def _restore_base(self, run_id: str, step: int) -> PolicyVersion:
         """Where a restore to `step` starts: the newest published version trained for at most `step`
         steps whose optimizer state is stored, or the base model (version 0, a fresh optimizer)."""
-        states = stored_train_states(self.store, run_id)
+        states, durable = stored_train_states(self.store, run_id), stored_versions(self.store, run_id)
         with self.db.begin() as s:
             versions = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
                                                                 PolicyVersion.trained_steps <= step)
                                  .order_by(PolicyVersion.version.desc())).all()
-        base = next((v for v in versions if v.trained_steps == 0 or v.trained_steps in states), None)
+        base = next((v for v in versions
+                     if v.version in durable and (v.trained_steps == 0 or v.trained_steps in states)), None)
         if base is None:
             raise RuntimeError(f"run {run_id} has no published version at or before step {step}: "
                                "init_policy must run first")
@@ -205,33 +276,76 @@ class Trainer:
             return torch.load(path, weights_only=True)
 
     # -- publishing and committing ------------------------------------------------------------------
-    def _publish(self, ctx: RunContext, version: int, trained_steps: int,
-                 timings: dict[str, float] | None = None) -> tuple[Manifest, dict]:
-        """Upload the engine's weights as `version` and, after a trained step where the recovery policy
-        asks for it, its optimizer state (for recovery only: never part of the inference checkpoint);
-        returns the manifest and the
-        probe with the trainer's reference logprobs, computed where the weights live. `timings`
-        gets the seconds of each part (the profile of benchmarks/trainer_efficiency.py)."""
+    def _publish(self, ctx: RunContext, version: int, trained_steps: int, timings: dict[str, float] | None = None,
+                 *, background: bool = False, expect_sha256: str | None = None) -> tuple[Manifest, dict]:
+        """Save the engine's weights as `version` into this machine's cache, hash them, probe them
+        (the trainer's reference logprobs, computed where the weights live) and upload them, with the
+        optimizer state where the recovery policy asks for it (recovery only: never part of the
+        inference checkpoint); with `background` the upload runs beside the next step. A re-created
+        version (`expect_sha256`) must have the committed weights' bytes. `timings` gets the seconds
+        of each part (the profile of benchmarks/trainer_efficiency.py)."""
         assert self.engine is not None
         run_id, timings = ctx.config.name, {} if timings is None else timings
-        with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
-            directory = Path(tmp) / "checkpoint"
-            with timed(timings, "save_s"):
+        with timed(timings, "upload_wait_s"):
+            self._finish_upload()  # the previous version durable first; its train state counts below
+        cached = local_version_dir(self.work_dir, run_id, version)
+        with timed(timings, "save_s"):
+            with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
+                directory = Path(tmp) / "checkpoint"
                 save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
-            with timed(timings, "upload_s"):
-                manifest = upload_checkpoint(self.store, run_id, version, trained_steps, directory)
-            if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
-                with timed(timings, "train_state_s"):
-                    state_file = Path(tmp) / "train-state.pt"
-                    torch.save(self.engine.optimizer_state_dict(), state_file)
-                    self.store.put_file(train_state_key(run_id, trained_steps), state_file)
-            cached = local_version_dir(self.work_dir, run_id, version)
-            if not cached.exists():  # kept: restores start from it, a sidecar on this filesystem loads it
+                shutil.rmtree(cached, ignore_errors=True)  # a failed try's files: replaced by this step's
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 directory.rename(cached)  # whole or not at all (same filesystem)
+        with timed(timings, "hash_s"):
+            manifest = describe_checkpoint(run_id, version, trained_steps, cached)
+        if expect_sha256 is not None and manifest.weights.sha256 != expect_sha256:
+            raise RuntimeError(f"replaying run {run_id} to step {trained_steps} re-created version {version} with "
+                               f"weights {manifest.weights.sha256}, not the committed {expect_sha256}")
+        state_file = None
+        if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
+            with timed(timings, "train_state_s"):
+                state_file = cached.parent / f".train-state-v{version:06d}.pt"
+                torch.save(self.engine.optimizer_state_dict(), state_file)
         with timed(timings, "probe_s"):
             prompt, scored = probe_ids(ctx.tokenizer)
-            return manifest, self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
+            probe = self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
+        self.upload_job = functools.partial(self._upload, manifest, cached, state_file)
+        if background:
+            self.upload = self.uploader.submit(self.upload_job)
+        else:
+            with timed(timings, "upload_s"):
+                self._finish_upload(run_now=True)
+        return manifest, probe
+
+    def _upload(self, manifest: Manifest, directory: Path, state_file: Path | None) -> None:
+        """The optimizer state first, the checkpoint's files, and its manifest last (the mark of a
+        durable version). The cache keeps the files: restores start from them, and a sidecar on this
+        filesystem loads them."""
+        t0 = time.monotonic()
+        if state_file is not None and state_file.exists():
+            self.store.put_file(train_state_key(manifest.run_id, manifest.trained_steps), state_file)
+            state_file.unlink()
+        upload_described(self.store, manifest, directory)
+        log.info("uploaded version %d of run %s (%.1f MB) in %.2f s", manifest.version, manifest.run_id,
+                 manifest.total_bytes / 1e6, time.monotonic() - t0)
+
+    def _finish_upload(self, run_now: bool = False) -> None:
+        """Wait for the background upload (or, with `run_now`, run the pending one here); one that
+        failed is tried once more in the foreground, and a second failure raises: the step in
+        progress then fails instead of committing past a version that is not durable."""
+        upload, job, self.upload = self.upload, self.upload_job, None
+        if upload is not None:
+            try:
+                upload.result()
+                self.upload_job = None
+                return
+            except Exception:  # noqa: BLE001 - S3 may have been down for a moment: once more, in the foreground
+                log.warning("a background upload failed; trying it once more", exc_info=True)
+        elif not run_now:
+            return
+        if job is not None:
+            job()
+        self.upload_job = None
 
     def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, Any], started: datetime,
                 published: tuple[Manifest, dict] | None) -> StepSummary:

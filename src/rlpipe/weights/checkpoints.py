@@ -5,12 +5,14 @@
     runs/<run>/train-state/step-000012.pt           optimizer state after step 12 (trainer recovery only)
 
 The weights' sha256 is also the `policy_versions.sha256` of the version, so a sync can refuse a
-checkpoint whose bytes are not the ones the trainer published, before it pauses any server.
+checkpoint whose bytes are not the ones the trainer published, before it pauses any server. The
+manifest is written last: a version is durable once its manifest is in the store.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,19 +67,51 @@ def stored_train_states(store: ObjectStore, run_id: str) -> set[int]:
     return {int(info.key[len(prefix):-len(".pt")]) for info in store.list(prefix) if info.key.endswith(".pt")}
 
 
-def upload_checkpoint(store: ObjectStore, run_id: str, version: int, trained_steps: int,
-                      directory: Path) -> Manifest:
-    """Upload every file of a checkpoint directory (identical files are stored once) and its
-    manifest. Uploading the same checkpoint again changes nothing."""
+def stored_versions(store: ObjectStore, run_id: str) -> set[int]:
+    """The versions of the run whose manifest is in the store: the durable ones."""
+    prefix = f"runs/{run_id}/versions/v"
+    return {int(info.key[len(prefix):len(prefix) + 6]) for info in store.list(prefix)
+            if info.key.endswith("/manifest.json")}
+
+
+def describe_checkpoint(run_id: str, version: int, trained_steps: int, directory: Path) -> Manifest:
+    """The manifest of a checkpoint directory: every file hashed and given its content-addressed key."""
     files = {}
     for path in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
-        info = store.put_content_addressed(f"runs/{run_id}/objects", path)
-        files[path.name] = StoredFile(info.key, info.sha256 or "", info.size)
+        digest = sha256_file(path)
+        files[path.name] = StoredFile(f"runs/{run_id}/objects/sha256-{digest}/{path.name}", digest, path.stat().st_size)
     if WEIGHTS_FILE not in files:
         raise FileNotFoundError(f"{directory} has no {WEIGHTS_FILE}")
-    manifest = Manifest(run_id, version, trained_steps, files)
-    store.put_bytes(manifest_key(run_id, version), manifest.to_json())
+    return Manifest(run_id, version, trained_steps, files)
+
+
+def upload_described(store: ObjectStore, manifest: Manifest, directory: Path) -> None:
+    """Upload the files `manifest` names from `directory` (a file already stored under its
+    content-addressed key is not sent again), then the manifest. Uploading again changes nothing."""
+    for name, stored in manifest.files.items():
+        if not store.exists(stored.key):
+            store.put_file(stored.key, directory / name, sha256=stored.sha256)
+    store.put_bytes(manifest_key(manifest.run_id, manifest.version), manifest.to_json())
+
+
+def upload_checkpoint(store: ObjectStore, run_id: str, version: int, trained_steps: int,
+                      directory: Path) -> Manifest:
+    """Describe and upload a checkpoint directory (identical files are stored once) and its manifest."""
+    manifest = describe_checkpoint(run_id, version, trained_steps, directory)
+    upload_described(store, manifest, directory)
     return manifest
+
+
+def wait_for_manifest(store: ObjectStore, key: str, timeout_s: float, poll_s: float = 0.5) -> Manifest:
+    """The manifest at `key`, waiting up to `timeout_s` for it to appear: the trainer uploads a
+    version beside its next step, and a version may be synced before its upload ends."""
+    deadline = time.monotonic() + timeout_s
+    while not store.exists(key):
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"{key} is not in the object store after {timeout_s:.0f} s: the trainer "
+                                    "has not finished uploading that version (or lost it; its next step re-uploads it)")
+        time.sleep(poll_s)
+    return load_manifest(store, key)
 
 
 def load_manifest(store: ObjectStore, key: str) -> Manifest:

@@ -38,7 +38,7 @@ from rlpipe.storage.db import Database
 from rlpipe.storage.digest import sha256_file
 from rlpipe.storage.object_store import DigestMismatch, ObjectStore
 from rlpipe.storage.runs import load_run_config, record_failure
-from rlpipe.weights.checkpoints import download_checkpoint, load_manifest, local_version_dir
+from rlpipe.weights.checkpoints import download_checkpoint, local_version_dir, wait_for_manifest
 from rlpipe.weights.labels import published_label, published_version, verifying_label
 from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
 
@@ -49,6 +49,9 @@ StateListener = Callable[[str, int | None], Awaitable[None]]
 went down, or holds unverified weights) and when a restore has verified one."""
 DEFAULT_LABEL = "default"
 FAILURE_TYPES = {"refused": "CheckpointRefused", "rolled_back": "ProbeMismatch", "failed": "ReloadFailed"}
+UPLOAD_WAIT_S = 300.0
+"""How long a load waits for a version's manifest in S3: the trainer uploads a version beside its next
+step, so a sidecar that does not share the trainer's files may be asked for it before it is there."""
 """`failures.error_type` of each failed sync status."""
 
 
@@ -165,7 +168,7 @@ class Sidecar:
         shared = self._shared_copy(target)
         if shared is not None:
             return shared, 0, time.monotonic() - t0
-        manifest = load_manifest(self.store, target.checkpoint_key)
+        manifest = wait_for_manifest(self.store, target.checkpoint_key, UPLOAD_WAIT_S)
         if manifest.weights.sha256 != target.sha256:
             raise DigestMismatch(f"the manifest of version {target.version} names weights {manifest.weights.sha256}, "
                                  f"but the version was published with {target.sha256}")
