@@ -183,19 +183,19 @@ def trainer_section(d: dict[str, Any]) -> str:
                  "save_s": "publish: safetensors checkpoint to disk",
                  "hash_s": "publish: sha256 of the checkpoint's files",
                  "train_state_s": "publish: optimizer state (torch.save; to S3 with the upload)",
-                 "upload_s": "publish: files + manifest to S3 in the step (the run's last; before #16: every)",
+                 "upload_s": "publish: files + manifest to S3 (in the step; beside the next one: only the run's last)",
                  "probe_s": "publish: probe (teacher-forced logprobs + 16 greedy forwards)",
                  "commit_and_rest_s": "committed check, batch metrics, commit, the rest", "wall_s": "whole step"}
-        before = d.get("foreground_uploads")
-        ratios = [["trainer step, publishing every step, uploads beside the next step: claim … commit",
+        beside = d.get("background_uploads")
+        ratios = [["trainer step, publishing every step (CPU default: upload inside the step): claim … commit",
                    fmt(d["trainer_tokens_per_s"], 0), fmt(d["trainer_over_bare"], 2)],
-                  *([["the same steps, each upload inside its step (before #16), run right after",
-                      fmt(before["trainer_tokens_per_s"], 0), fmt(before["trainer_over_bare"], 2)]] if before else []),
+                  *([["the same steps, each upload in a thread beside the next step (GPU default), run right after",
+                      fmt(beside["trainer_tokens_per_s"], 0), fmt(beside["trainer_over_bare"], 2)]] if beside else []),
                   ["its engine step alone (LocalEngine.step)", fmt(d["engine_tokens_per_s"], 0),
                    fmt(d["engine_over_bare"], 2)],
                   ["bare PyTorch loop, same batches", fmt(d["bare_tokens_per_s"], 0), "1"]]
         shape = d["shape"]
-        runs = [d["phases"], *([before["phases"]] if before else [])]
+        runs = [d["phases"], *([beside["phases"]] if beside else [])]
         phases = [[names[k], *(f"{ph[k] * 1000:.1f}" if k in ph else "–" for ph in runs)] for k in names]
         parts += [f"`Trainer.train_step` in the benchmark's process on a private Postgres + SeaweedFS, the "
                   f"{Path(d['model']).name} model, {shape['groups_per_step']} groups × {shape['group_size']} samples "
@@ -205,8 +205,8 @@ def trainer_section(d: dict[str, Any]) -> str:
                   table(speed, ratios),
                   "\nWhere a step's time goes (median ms; the phases are what the trainer records in "
                   "`train_steps.metrics`, the rest is the wall time less them):\n",
-                  table(["phase", "uploads beside the next step (ms)",
-                         *(["uploads inside the step (ms)"] if before else [])], phases)]
+                  table(["phase", "upload inside the step (ms)",
+                         *(["upload beside the next step (ms)"] if beside else [])], phases)]
     w = d.get("worker")
     if w:
         parts += [f"\nThe Temporal trainer worker's recorded steps (`{w['command']}`, {len(w['steps'])} sync-run "

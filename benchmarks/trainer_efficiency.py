@@ -4,11 +4,11 @@ The profile (this module alone, `main`): a private Postgres + SeaweedFS (no vLLM
 buffer of synthetic completed groups at the benchmark's tiny shape (2 groups x 4 samples, ~1k
 tokens), and the trainer's own `Trainer.train_step` in this process -- claim, read and plan the
 batch, engine step, metrics, checkpoint publish (safetensors, hash, optimizer state, probe logprobs;
-the S3 upload beside the next step), commit. Every step publishes (sync.interval 1, the default) and
+on a CPU trainer the S3 upload), commit. Every step publishes (sync.interval 1, the default) and
 the steps run back to back, so each one carries the previous version's upload as the pipeline's
 trainer does (its wait, and the cores the upload takes); then a bare loop (forward, policy-gradient
 loss, backward, clip, AdamW) runs on each step's very batch. The same steps run a second time with
-every upload inside its step (the trainer before issue #16), for the comparison. The phases are the
+each upload in a thread beside the next step (the trainer's default on a GPU), for the comparison. The phases are the
 seconds the trainer records in `train_steps.metrics`; "commit and rest" is the step's wall time less
 them.
 
@@ -152,10 +152,10 @@ step that does not publish records only the wait, for the upload of the version 
 
 
 def profile(db, store, model_dir: Path, steps: int = 24, repeats: int = 3,  # type: ignore[no-untyped-def]
-            group_size: int = 4, groups_per_step: int = 2, background_uploads: bool = True) -> dict[str, Any]:
+            group_size: int = 4, groups_per_step: int = 2, background_uploads: bool | None = None) -> dict[str, Any]:
     """`steps` publishing steps of `Trainer.train_step` in this process back to back, then `repeats`
-    bare-loop steps on each one's batch; the first two steps warm up and are not counted. With
-    `background_uploads` False every publish uploads inside its step (the trainer before issue #16)."""
+    bare-loop steps on each one's batch; the first two steps warm up and are not counted.
+    `background_uploads`: the Trainer's (None: its default, beside the next step only on a GPU)."""
     import tempfile
     import uuid
 
@@ -241,10 +241,10 @@ def main() -> None:
         db, store = Database(endpoints.database_url), ObjectStore.from_endpoints(endpoints)
         store.ensure_bucket()
         try:
-            result = profile(db, store, model, steps=args.steps, repeats=args.repeats)
-            # the same steps with every upload inside its step, as before issue #16, for the comparison
-            before = profile(db, store, model, steps=args.steps, repeats=args.repeats, background_uploads=False)
-            result["foreground_uploads"] = {k: before[k] for k in ("run", "trainer_over_bare", "publish_share",
+            result = profile(db, store, model, steps=args.steps, repeats=args.repeats)   # the trainer's default
+            # the same steps with each upload in a thread beside the next step (a GPU trainer's default)
+            beside = profile(db, store, model, steps=args.steps, repeats=args.repeats, background_uploads=True)
+            result["background_uploads"] = {k: beside[k] for k in ("run", "trainer_over_bare", "publish_share",
                                                                    "trainer_tokens_per_s", "phases")}
         finally:
             db.dispose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from temporalio.worker import Worker
 
 from rlpipe.activities.training import TrainingActivities
@@ -15,13 +17,24 @@ from rlpipe.trainer.trainer import Trainer
 from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
 
 
+def background_uploads() -> bool | None:
+    """RLPIPE_BACKGROUND_UPLOADS: 1 uploads each version beside the next step, 0 inside its own;
+    unset: beside it where the trainer has a GPU (trainer/trainer.py says why)."""
+    value = os.environ.get("RLPIPE_BACKGROUND_UPLOADS", "").strip()
+    if value not in ("", "0", "1"):
+        raise SystemExit(f"RLPIPE_BACKGROUND_UPLOADS={value!r}: use 1 (beside the next step), 0 (inside the step) "
+                         "or leave it unset (beside it on a GPU)")
+    return None if value == "" else value == "1"
+
+
 async def run_trainer_worker() -> None:
     log = setup_logging("trainer")
     ep = endpoints()
     client = await connect(ep, start_metrics("trainer", "trainer", ("trainer",)), wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
     start_db_refresh(METRICS, db.begin)  # buffer depth, staleness and shares from Postgres
-    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), load_settings().home.resolve() / "trainer")
+    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), load_settings().home.resolve() / "trainer",
+                      background_uploads=background_uploads())
     training = TrainingActivities(db, trainer)
     # one activity at a time: the model is a single in-memory state advanced step by step
     worker = Worker(client, task_queue=TRAINER_QUEUE, activities=[training.init_policy, training.train_step],

@@ -1,4 +1,6 @@
-"""Exact trainer recovery, on the real Postgres and SeaweedFS (no vLLM, no Temporal workers).
+"""Exact trainer recovery, on the real Postgres and SeaweedFS (no vLLM, no Temporal workers). The
+trainers upload each version beside the next step (background_uploads, a GPU trainer's default), the
+path with the most to recover.
 
 Each run's buffer holds the same synthetic completed groups, so every run trains on identical
 batches. The uninterrupted run: one Trainer runs steps 1..STEPS, publishing every SYNC_INTERVAL
@@ -245,7 +247,8 @@ def uninterrupted(migrated_db: Database, object_store: ObjectStore, tiny_model: 
         if (world_size, several_updates) not in done:
             cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{world_size}")
-            trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp / "work")
+            trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp / "work",
+                              background_uploads=True)
             try:
                 run_steps(trainer, cfg, range(1, STEPS + 1))
             finally:
@@ -265,7 +268,8 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     baseline, want = uninterrupted(world_size, several_updates)
     cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
     for steps in (range(1, 2), range(2, 4), range(4, 5), range(5, STEPS + 1)):   # thrown away after 1, 3 and 4
-        trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}")
+        trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}",
+                          background_uploads=True)
         try:
             run_steps(trainer, cfg, steps)
         finally:
@@ -306,7 +310,8 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
     1..4 from version 0, with the committed weights' sha256, before it trains step 5."""
     _, want = uninterrupted(1, False)
     cfg = new_run(migrated_db, tiny_model, 1)
-    first = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-1")
+    first = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-1",
+                    background_uploads=True)
     try:
         run_steps(first, cfg, range(1, 5))
     finally:
@@ -315,7 +320,7 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
     if not same_machine:
         object_store.delete(train_state_key(cfg.name, 4))
     second = Trainer(migrated_db, object_store, RunContexts(migrated_db),
-                     tmp_path / ("work-1" if same_machine else "work-2"))
+                     tmp_path / ("work-1" if same_machine else "work-2"), background_uploads=True)
     try:
         run_steps(second, cfg, range(5, STEPS + 1))
     finally:
@@ -455,7 +460,8 @@ def child_main() -> None:
     args = json.loads(sys.argv[1])
     ep = Endpoints(**json.loads(os.environ["RLPIPE_TEST_ENDPOINTS"]))
     db = Database(ep.database_url)
-    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), Path(args["work"]))
+    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), Path(args["work"]),
+                      background_uploads=True)
     with db.begin() as s:
         cfg = RunConfig.model_validate(s.execute(sa.text("select config from runs where id = :r"),
                                                  {"r": args["run"]}).scalar())

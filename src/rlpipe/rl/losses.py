@@ -40,7 +40,7 @@ class LossInputs:
     sampler_logprobs: Tensor          # (N, L) behaviour policy: the sampler's logprobs
     advantages: Tensor                # (N,) one per sequence
     loss_mask: Tensor                 # (N, L) 1 model token, 0 tool token or padding
-    entropy: Tensor                   # (N, L) trainer entropy at each completion position (with grad)
+    entropy: Tensor                   # (N, L) trainer entropy at each position (with grad if entropy_coef > 0)
     proximal_logprobs: Tensor | None = None  # (N, L) trainer before the step: truncated_is, decoupled
     ref_logprobs: Tensor | None = None       # (N, L) reference model: KL penalty
 

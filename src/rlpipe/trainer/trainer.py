@@ -19,8 +19,9 @@ batches (`claimed_trajectories`: the groups each committed step claimed; a repla
 A step's batch, plan and seed are pure functions of what Postgres holds, so the replay redoes the
 same arithmetic and the parameters equal those of a trainer that never stopped.
 
-Uploads off the critical path. A published version is saved into this machine's cache, hashed and
-probed, committed, and uploaded by a background thread while the next step computes; a sidecar on
+Uploads off the critical path (on by default where the trainer computes on a GPU). A published
+version is saved into this machine's cache, hashed and probed, committed, and uploaded by a
+background thread while the next step computes; a sidecar on
 this filesystem loads it from the cache at once, any other waits for its manifest. The next step
 commits only once that upload has ended (retried once in the foreground if it failed), and the
 run's last step uploads before it returns. A trainer that died with an upload in flight leaves a
@@ -32,8 +33,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,7 +81,7 @@ class Trainer:
     runs one activity at a time."""
 
     def __init__(self, db: Database, store: ObjectStore, contexts: RunContexts, work_dir: Path, *,
-                 background_uploads: bool = True) -> None:
+                 background_uploads: bool | None = None) -> None:
         self.db = db
         self.store = store
         self.contexts = contexts
@@ -88,9 +91,12 @@ class Trainer:
         self.run_id: str | None = None
         self.applied_step = -1
         """The last step of `run_id` whose update the engine holds (-1: no engine)."""
-        self.background_uploads = background_uploads
-        """False: every publish uploads inside its step (the benchmark's comparison)."""
-        self.uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpipe-upload")
+        self.background_uploads = torch.cuda.is_available() if background_uploads is None else background_uploads
+        """Upload beside the next step. By default only where the trainer computes on a GPU: on a CPU
+        trainer the upload takes the very cores the next step needs, and measured on 2 cores with a
+        local S3 it made a SmolLM2 step ~10 % slower, not faster (BENCHMARKS.md, section 4b)."""
+        self.uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpipe-upload",
+                                           initializer=_yield_the_cores)
         self.upload: Future[None] | None = None
         """The upload of the newest version this process published, while it may still be running."""
         self.upload_job: Callable[[], None] | None = None
@@ -379,6 +385,16 @@ class Trainer:
         with self.db.begin() as s:
             return s.scalar(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
                                                            PolicyVersion.version == version))
+
+
+def _yield_the_cores() -> None:
+    """Run the upload thread at the lowest CPU priority (Linux schedules threads by their own nice
+    value): where the trainer shares its cores, the step's compute goes first and the upload takes
+    what is left; where it does not (a GPU trainer, a remote S3), nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
+        pass
 
 
 @contextmanager
