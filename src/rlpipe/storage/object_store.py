@@ -29,6 +29,11 @@ TRANSFER = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, 
 than with 8 MiB parts (benchmarks/findings.md); a download buffers at most 10 parts out of order."""
 
 
+def content_key(prefix: str, sha256: str, name: str) -> str:
+    """Where a file with this content lives under `prefix`: the key names the content."""
+    return f"{prefix.rstrip('/')}/sha256-{sha256}/{name}"
+
+
 class ObjectStoreError(RuntimeError):
     """An object is missing, unreachable or not what its digest says; the message names the key."""
 
@@ -111,7 +116,7 @@ class ObjectStore:
         """Store a file under `{prefix}/sha256-{digest}/{name}`: the key names the content, so an
         identical file is uploaded once and a key can never silently point at other bytes."""
         digest = sha256_file(path)
-        key = f"{prefix.rstrip('/')}/sha256-{digest}/{path.name}"
+        key = content_key(prefix, digest, path.name)
         if self.exists(key):
             return ObjectInfo(key, path.stat().st_size, digest)
         return self.put_file(key, path, sha256=digest)

@@ -97,9 +97,8 @@ class Trainer:
         local S3 it made a SmolLM2 step ~10 % slower, not faster (BENCHMARKS.md, section 4b)."""
         self.uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpipe-upload",
                                            initializer=_yield_the_cores)
-        self.upload: Future[None] | None = None
-        """The upload of the newest version this process published, while it may still be running."""
-        self.upload_job: Callable[[], None] | None = None
+        self.upload: tuple[Future[None], Callable[[], None]] | None = None
+        """The background upload of the newest version published here (and the job, to run it again)."""
 
     # -- entry points ---------------------------------------------------------------------------
     def init_policy(self, run_id: str) -> PublishedVersion:
@@ -315,12 +314,12 @@ class Trainer:
         with timed(timings, "probe_s"):
             prompt, scored = probe_ids(ctx.tokenizer)
             probe = self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
-        self.upload_job = functools.partial(self._upload, manifest, cached, state_file)
+        job = functools.partial(self._upload, manifest, cached, state_file)
         if background:
-            self.upload = self.uploader.submit(self.upload_job)
+            self.upload = self.uploader.submit(job), job
         else:
             with timed(timings, "upload_s"):
-                self._finish_upload(run_now=True)
+                job()
         return manifest, probe
 
     def _upload(self, manifest: Manifest, directory: Path, state_file: Path | None) -> None:
@@ -335,23 +334,18 @@ class Trainer:
         log.info("uploaded version %d of run %s (%.1f MB) in %.2f s", manifest.version, manifest.run_id,
                  manifest.total_bytes / 1e6, time.monotonic() - t0)
 
-    def _finish_upload(self, run_now: bool = False) -> None:
-        """Wait for the background upload (or, with `run_now`, run the pending one here); one that
-        failed is tried once more in the foreground, and a second failure raises: the step in
-        progress then fails instead of committing past a version that is not durable."""
-        upload, job, self.upload = self.upload, self.upload_job, None
-        if upload is not None:
-            try:
-                upload.result()
-                self.upload_job = None
-                return
-            except Exception:  # noqa: BLE001 - S3 may have been down for a moment: once more, in the foreground
-                log.warning("a background upload failed; trying it once more", exc_info=True)
-        elif not run_now:
+    def _finish_upload(self) -> None:
+        """Wait for the background upload; one that failed is tried once more in the foreground, and a
+        second failure raises: the step in progress then fails instead of committing past a version
+        that is not durable."""
+        if self.upload is None:
             return
-        if job is not None:
+        (upload, job), self.upload = self.upload, None
+        try:
+            upload.result()
+        except Exception:  # noqa: BLE001 - S3 may have been down for a moment: once more, in the foreground
+            log.warning("a background upload failed; trying it once more", exc_info=True)
             job()
-        self.upload_job = None
 
     def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, Any], started: datetime,
                 published: tuple[Manifest, dict] | None) -> StepSummary:

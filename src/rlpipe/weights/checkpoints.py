@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlpipe.policy.checkpoint import WEIGHTS_FILE
 from rlpipe.storage.digest import sha256_file
-from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.object_store import ObjectStore, content_key
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def describe_checkpoint(run_id: str, version: int, trained_steps: int, directory
     files = {}
     for path in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
         digest = sha256_file(path)
-        files[path.name] = StoredFile(f"runs/{run_id}/objects/sha256-{digest}/{path.name}", digest, path.stat().st_size)
+        files[path.name] = StoredFile(content_key(f"runs/{run_id}/objects", digest, path.name), digest,
+                                      path.stat().st_size)
     if WEIGHTS_FILE not in files:
         raise FileNotFoundError(f"{directory} has no {WEIGHTS_FILE}")
     return Manifest(run_id, version, trained_steps, files)
