@@ -29,6 +29,7 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     Text,
+    TypeDecorator,
     UniqueConstraint,
     func,
 )
@@ -44,9 +45,46 @@ NAMING = {
 }
 
 
+NUL_REPLACEMENT = "\ufffd"
+"""What a NUL character is stored as: PostgreSQL's text and jsonb refuse NUL, and a model (a
+byte-fallback token) or a tool's output can produce one."""
+
+
+def without_nul(value: Any) -> Any:
+    """`value` with NUL replaced in every string, also inside JSON lists and objects (keys too)."""
+    if isinstance(value, str):
+        return value.replace("\x00", NUL_REPLACEMENT)
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_nul(v) for v in value]
+    return value
+
+
+class StoredText(TypeDecorator[str]):
+    """A text column that accepts any Python string (NUL is replaced, see NUL_REPLACEMENT)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        return None if value is None else value.replace("\x00", NUL_REPLACEMENT)
+
+
+class StoredJSON(TypeDecorator[Any]):
+    """A jsonb column that accepts any JSON value built from model or tool text."""
+
+    impl = JSONB
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return without_nul(value)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
-    type_annotation_map = {dict[str, Any]: JSONB, list[Any]: JSONB, str: Text, datetime: DateTime(timezone=True)}
+    type_annotation_map = {dict[str, Any]: StoredJSON, list[Any]: StoredJSON, str: StoredText,
+                           datetime: DateTime(timezone=True)}
 
 
 id_pk = Annotated[int, mapped_column(BigInteger, Identity(), primary_key=True)]
@@ -219,7 +257,7 @@ class Turn(Base):
     """Tokens appended before this call: the prompt for turn 0, tool/env output ids after."""
     output_ids: Mapped[int_ids]
     output_logprobs: Mapped[float_values]
-    output_text: Mapped[str] = mapped_column(Text)
+    output_text: Mapped[str]
     finish_reason: Mapped[str | None]
     server: Mapped[str | None]
     version_before: Mapped[int | None]
@@ -365,7 +403,7 @@ class Failure(Base):
     activity_id: Mapped[str | None]
     attempt: Mapped[int] = mapped_column(server_default="1")
     error_type: Mapped[str] = mapped_column(Text)
-    message: Mapped[str] = mapped_column(Text)
+    message: Mapped[str]
     details: Mapped[dict[str, Any] | None]
     created_at: Mapped[timestamp_now]
 

@@ -9,6 +9,10 @@ a poll interval, quoting the reason the run gives (the same text as `runs.status
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError
@@ -18,6 +22,10 @@ from rlpipe.schemas.payloads import RunResult, RunStatus
 from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 POLL_S = 1.0
+UNTIL_TIMEOUT_S = 600.0
+
+Condition = Callable[[], Any]
+"""A check that returns something truthy when it holds, or an awaitable of it."""
 
 
 class RunStalled(AssertionError):
@@ -58,3 +66,20 @@ async def _status(handle: WorkflowHandle) -> RunStatus | None:
         return await handle.query(TrainingRunWorkflow.status)
     except RPCError:
         return None
+
+
+async def until(condition: Condition, what: str, timeout_s: float = UNTIL_TIMEOUT_S, interval_s: float = 0.2,
+                explain: Callable[[], Awaitable[str]] | None = None) -> Any:
+    """Poll `condition` until it returns something truthy, and return that; on timeout, fail
+    naming `what`, with `explain()`'s account of the run."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := await _value(condition)):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting until {what}" + (f"\n{await explain()}" if explain else ""))
+        await asyncio.sleep(interval_s)
+    return value
+
+
+async def _value(condition: Condition) -> Any:
+    result = condition()
+    return await result if inspect.isawaitable(result) else result

@@ -3,9 +3,10 @@
 IN_FLIGHT requests of LONG tokens at once share the server's steps and take seconds: long enough
 to be still running when a sync pauses the server right after they start generating.
 
-"Started generating" is read from vLLM's `generation_tokens_total` counter, not from the
-`num_requests_running` gauge: the gauge holds only the latest sample, so a burst admitted over a
-few steps on a loaded machine can come and go unseen, while a counter only ever grows.
+"Started generating" is read from vLLM's `generation_tokens_total` counter, which only ever grows,
+together with the `num_requests_running` gauge: on a loaded machine the first request of a burst
+can generate many tokens alone while the rest are still being sent, so tokens alone do not show
+that the burst is running.
 """
 
 from __future__ import annotations
@@ -36,18 +37,21 @@ def _metric(pattern: re.Pattern[str], text: str) -> float:
     return float(found.group(1)) if found is not None else 0.0
 
 
-async def until_generating(server_url: str, tokens: int = 2 * IN_FLIGHT, timeout_s: float = 120.0) -> None:
-    """Return once the server has generated `tokens` more tokens than when called (so a sync now
-    lands mid-generation). Fewer than LONG: no request of the burst can have finished yet."""
+async def until_generating(server_url: str, tokens: int = 2 * IN_FLIGHT, running: int = IN_FLIGHT // 2,
+                           timeout_s: float = 120.0) -> None:
+    """Return once the server has generated `tokens` more tokens than when called and runs at
+    least `running` requests (so a sync now lands mid-generation of most of the burst). Fewer
+    tokens than LONG: no request of the burst can have finished yet."""
     async with httpx.AsyncClient(base_url=server_url, timeout=30) as http:
         before = _metric(_GENERATED, (await http.get("/metrics")).text)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = (await http.get("/metrics")).text
-            if _metric(_GENERATED, text) - before >= tokens:
+            if _metric(_GENERATED, text) - before >= tokens and _metric(_RUNNING, text) >= running:
                 return
             await asyncio.sleep(0.02)
     raise AssertionError(
         f"the server generated {_metric(_GENERATED, text) - before:.0f} of {tokens} tokens within "
-        f"{timeout_s:.0f}s (running {_metric(_RUNNING, text):.0f}, waiting {_metric(_WAITING, text):.0f})"
+        f"{timeout_s:.0f}s, running {_metric(_RUNNING, text):.0f} requests of the {running} wanted "
+        f"(waiting {_metric(_WAITING, text):.0f})"
     )

@@ -24,12 +24,18 @@ AUDIT_TRAIL = (invariants.RUN_COMPLETED, invariants.CONSUMED_ONCE, invariants.WI
 """The invariants that hold when a run returns (groups it abandoned may still be running)."""
 
 
+TEST_EVAL_PROMPTS = 4
+"""Held-out prompts per evaluation in test runs: the evaluation runs inside a server's sync loop, and
+50 prompts on a slow machine kept a server from loading new versions for most of a short run."""
+
+
 def tiny_config(tiny_model: Path, config_file: str = "tiny-arithmetic.toml", **overrides: Any) -> RunConfig:
-    """A repo config with the test model's path, a unique name, and top-level overrides (tables
-    are merged one level deep)."""
+    """A repo config with the test model's path, a unique name, TEST_EVAL_PROMPTS, and top-level
+    overrides (tables are merged one level deep)."""
     base = load_run_config(CONFIGS / config_file, {"name": f"t-{uuid.uuid4().hex[:10]}", "steps": 3})
     data = base.model_dump(mode="json", exclude_unset=True)
     data["model"] = {"path": str(tiny_model), "max_model_len": 512}
+    data["eval"] = {**data.get("eval", {}), "prompts": TEST_EVAL_PROMPTS}
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return RunConfig.model_validate(data)

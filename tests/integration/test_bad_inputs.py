@@ -32,9 +32,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,25 +66,13 @@ from rlpipe.weights.checkpoints import manifest_key
 from rlpipe.workflows.policies import OUTAGE
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
 from tests.integration.test_grader_box import one_turn_group
-from tests.waiting import run_result
+from tests.waiting import run_result, until
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm]
 
 
 def quiet(msg: str) -> None:
     pass
-
-
-async def until(check: Callable[[], Any], what: str, timeout_s: float = RUN_TIMEOUT_S, poll_s: float = 0.2) -> Any:
-    """Poll `check` (sync or async) until it returns something truthy; fail naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        value = await value if isinstance(value, Awaitable) else value
-        if value:
-            return value
-        await asyncio.sleep(poll_s)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 async def refusal(call: Awaitable[object]) -> str:
@@ -146,7 +133,7 @@ class OutageRun:
 @pytest.fixture(scope="module")
 async def outage_run(stack: Stack, temporal_client: Client, pipeline_workers, migrated_db: Database,  # type: ignore[no-untyped-def]
                      object_store: ObjectStore, tiny_model: Path) -> OutageRun:
-    cfg = tiny_config(tiny_model, steps=2, eval={"prompts": 4})
+    cfg = tiny_config(tiny_model, steps=2)
     name = cfg.name
     marker = Marker.store(migrated_db, object_store)
     seaweed = stack.service("seaweedfs")
@@ -389,7 +376,7 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
     # one step: no sync runs while the groups generate, so a running `generate` activity is on the
     # server (a completion sampled during a sync's verification waits off the server for its verdict)
     # a short outage budget: the groups on the server give up while it is down (the default waits 15 min)
-    cfg = tiny_config(tiny_model, steps=1, eval={"prompts": 4}, rollout={"generate_attempts": 2,
+    cfg = tiny_config(tiny_model, steps=1, rollout={"generate_attempts": 2,
                                                                          "outage_budget_s": 3})
     handle = await start_run(temporal_client, cfg)
     record = stack.table.get("inference-0")
@@ -399,7 +386,7 @@ async def test_inference_server_down_is_retried_and_the_run_status_says_why(
     # a tiny-model call can end between any look and a stop: freeze the server, look, and crash it
     # only while model calls wait on it
     await until(lambda: frozen_with_model_calls_on_it(temporal_client, handle.id, record.pid),
-                "model calls in flight", poll_s=0.02)
+                "model calls in flight", interval_s=0.02)
     monkey = Monkey(stack, pipeline_workers)
     monkey.take_down("inference-0")  # SIGKILL, which also ends a stopped process
     try:
@@ -456,7 +443,7 @@ async def failed_status(client: Client, run: str) -> Any:
 async def test_cancel_during_a_sync_leaves_the_server_serving_a_published_version(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,  # type: ignore[no-untyped-def]
         inference_servers: list[str], endpoints: Endpoints) -> None:
-    cfg = tiny_config(tiny_model, steps=4, eval={"prompts": 4})
+    cfg = tiny_config(tiny_model, steps=4)
     handle = await start_run(temporal_client, cfg)
     await until(lambda: later_sync_running(handle, migrated_db, cfg.name), "a sync of v1 or later in flight")
     await handle.cancel()

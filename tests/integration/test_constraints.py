@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
-from rlpipe.schemas.tables import Base
+from rlpipe.schemas.tables import NUL_REPLACEMENT, Base
+from rlpipe.storage.buffer import save_turn
+from rlpipe.storage.runs import record_failure
 
 pytestmark = pytest.mark.stack
 
@@ -186,6 +189,27 @@ def test_baseline_is_valid(baseline) -> None:  # type: ignore[no-untyped-def]
     baseline.exec_driver_sql(STEP.format(step=2, ng=1, loss=0.5, smax=1, fin="now()"))
     baseline.exec_driver_sql(CURSOR.format(tracker="'mlflow'", step=3, batches=1))
     savepoint.rollback()
+
+
+def test_model_and_tool_text_with_nul_is_stored_with_a_replacement(baseline) -> None:  # type: ignore[no-untyped-def]
+    """PostgreSQL's text and jsonb refuse NUL; a model's byte-fallback token or a tool's output can
+    hold one. The turn and its failure are stored (NUL replaced) instead of failing the group."""
+    with Session(bind=baseline, join_transaction_mode="create_savepoint") as s:
+        turn = save_turn(s, {"trajectory_id": 900001, "turn_index": 1, "input_ids": [1], "output_ids": [0, 2],
+                             "output_logprobs": [-0.1, -0.2], "output_text": "2+2\x00=4", "generate_latency_s": 0.1,
+                             "tool_calls": [{"name": "calc", "arguments": {"expr\x00": "2+\x002"},
+                                             "result": "4\x00", "error": None}]})
+        record_failure(s, run_id="ck", kind="tool", error_type="E", message="tool wrote \x00",
+                       workflow_id="wf", activity_id="nul", details={"stdout": ["\x00"]})
+        s.flush()
+        stored = s.execute(sa.text("select output_text, tool_calls from turns where id = :id"), {"id": turn.id}).one()
+        failure = s.execute(sa.text("select message, details from failures where activity_id = 'nul'")).one()
+        s.rollback()
+    nul = NUL_REPLACEMENT
+    assert stored.output_text == f"2+2{nul}=4"
+    assert stored.tool_calls == [{"name": "calc", "arguments": {f"expr{nul}": f"2+{nul}2"}, "result": f"4{nul}",
+                                  "error": None}]
+    assert (failure.message, failure.details) == (f"tool wrote {nul}", {"stdout": [nul]})
 
 
 def test_every_constraint_has_a_case() -> None:

@@ -25,7 +25,7 @@ from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.runs import register_run
 from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, run_to_end, tiny_config, tiny_judge
-from tests.waiting import RunStalled
+from tests.waiting import RunStalled, until
 
 pytestmark = [pytest.mark.stack]
 
@@ -160,8 +160,11 @@ async def test_a_free_text_judge_that_never_scores_pauses_the_run_and_the_wait_s
     with pytest.raises(RunStalled, match="paused after 2 groups in a row failed") as stalled:
         await run_to_end(temporal_client, cfg)  # fails as the run pauses, not at RUN_TIMEOUT_S
     assert "produced an invalid grade" in str(stalled.value) and "no score matching" in str(stalled.value)
-    (run,) = rows(migrated_db, "select status, status_reason from runs where id = :r", r=cfg.name)
-    assert run.status == "paused" and run.status_reason in str(stalled.value)
+    # the workflow pauses first (no more groups start), then writes the status row
+    (run,) = await until(lambda: rows(migrated_db, "select status, status_reason from runs where id = :r "
+                                                   "and status = 'paused'", r=cfg.name),
+                         "the runs row says paused", timeout_s=60)
+    assert run.status_reason in str(stalled.value)
     unparsable = rows(migrated_db, "select error_type from failures where run_id = :r and kind = 'grade'", r=cfg.name)
     assert unparsable and {f.error_type for f in unparsable} == {"UnparsableJudgeOutput"}
     await temporal_client.get_workflow_handle(cfg.workflow_id).cancel()

@@ -19,14 +19,12 @@ changed through the CLI while it runs; and nothing of server 1 outlives its stop
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -48,7 +46,7 @@ from rlpipe.storage.object_store import ObjectStore
 from rlpipe.workers.launcher import WorkerSet
 from rlpipe.workers.sidecar import SHARED_CHECKPOINTS_ENV
 from tests.integration.runs import RUN_TIMEOUT_S, rows, tiny_config
-from tests.waiting import run_result
+from tests.waiting import run_result, until
 
 pytestmark = [pytest.mark.stack, pytest.mark.vllm, pytest.mark.usefixtures("clean_workflows")]
 
@@ -98,25 +96,6 @@ def two_servers(stack: Stack, inference_servers: list[str]) -> Iterator[TwoServe
 def synced(db: Database, run: str, server: str) -> set[int]:
     return {r.version for r in rows(db, "select version from sync_events where run_id = :r and server = :s "
                                         "and status = 'ok'", r=run, s=server)}
-
-
-Condition = Callable[[], object]
-"""A check that returns something truthy when it holds, or an awaitable of it."""
-
-
-async def until(condition: Condition, what: str, timeout_s: float = RUN_TIMEOUT_S, interval_s: float = 0.2,
-                explain: Callable[[], Awaitable[str]] | None = None) -> None:
-    """Wait until `condition` holds; on timeout, fail with `explain()`'s account of the run."""
-    deadline = time.monotonic() + timeout_s
-    while not await _holds(condition):
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting until {what}" + (f"\n{await explain()}" if explain else ""))
-        await asyncio.sleep(interval_s)
-
-
-async def _holds(condition: Condition) -> bool:
-    result = condition()
-    return bool(await result) if inspect.isawaitable(result) else bool(result)
 
 
 async def running(client: Client, workflow_ids: list[str], activity: str) -> int:

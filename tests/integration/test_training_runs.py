@@ -60,7 +60,7 @@ async def test_async_run_completes_with_a_consistent_audit_trail(
 async def test_gspo_and_cispo_runs_complete_with_verified_syncs(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path,
         objective: dict[str, object]) -> None:
-    cfg = tiny_config(tiny_model, steps=2, eval={"prompts": 4}, loss=objective)
+    cfg = tiny_config(tiny_model, steps=2, loss=objective)
     await run_to_end(temporal_client, cfg)
     assert_audit_trail(migrated_db, cfg)
     metrics = [r.metrics for r in rows(migrated_db, "select metrics from train_steps where run_id = :r", r=cfg.name)]
@@ -72,7 +72,7 @@ async def test_overlong_shaping_and_truncation_masking_reach_the_buffer_and_the_
     # the tiny model's answers are 5-8 tokens: a budget of 12 with a window of 8 punishes most of them a
     # little, and a 6-token sampling limit cuts some off
     overlong = OverlongConfig(max_tokens=12, window=8, penalty=0.5)
-    cfg = tiny_config(tiny_model, steps=2, eval={"prompts": 4}, sampling={"max_tokens": 6},
+    cfg = tiny_config(tiny_model, steps=2, sampling={"max_tokens": 6},
                       advantage={"overlong": overlong.model_dump()}, loss={"mask_truncated": True})
     await run_to_end(temporal_client, cfg)
     assert_audit_trail(migrated_db, cfg)
@@ -100,7 +100,7 @@ async def test_dynamic_sampling_trains_only_on_informative_groups(
         temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
     # two samples per prompt: most groups of the tiny model are uniform (about 5 in 6 all wrong); a budget
     # that is never reached, so that every consumed group must be informative
-    cfg = tiny_config(tiny_model, steps=3, eval={"prompts": 4},
+    cfg = tiny_config(tiny_model, steps=3,
                       rollout={"group_size": 2, "groups_per_step": 2, "dynamic_sampling": True,
                                "dynamic_sampling_budget": 10_000})
     await run_to_end(temporal_client, cfg)

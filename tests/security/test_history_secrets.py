@@ -60,7 +60,7 @@ async def test_no_secret_in_the_histories_of_a_run(
     finally:
         await planted.terminate("test done")
 
-    cfg = tiny_config(tiny_model, steps=1, eval={"prompts": 4})
+    cfg = tiny_config(tiny_model, steps=1)
     await run_to_end(temporal_client, cfg)
     executions = [(wf.id, wf.run_id) async for wf in temporal_client.list_workflows(
         f"WorkflowId = '{cfg.workflow_id}'")]
