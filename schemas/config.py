@@ -129,6 +129,24 @@ class SyncConfig(Strict):
     weights' size (AdamW's two moments), the largest write of a publish."""
 
 
+class RetentionConfig(Strict):
+    """Which published versions keep their bytes (weights in the object store and on local disks,
+    optimizer states). Unset: every version is kept. Whatever the policy, a version still needed is
+    kept: the newest, each one an inference server holds, and the one a restarted trainer would
+    restore from. A deleted version keeps its `policy_versions` row (hash, lineage) with `deleted_at`."""
+
+    keep_last: int | None = Field(None, ge=1)
+    """Keep the newest this many versions."""
+    keep_every: int | None = Field(None, ge=1)
+    """Also keep every version whose number is a multiple of this (version 0, the base, included)."""
+
+    @model_validator(mode="after")
+    def _every_needs_last(self) -> RetentionConfig:
+        if self.keep_every is not None and self.keep_last is None:
+            raise ValueError("keep_every needs keep_last: without keep_last every version is kept")
+        return self
+
+
 class EvalConfig(Strict):
     """Held-out evaluation of published versions (greedy, through an inference server)."""
 
@@ -163,6 +181,7 @@ class RunConfig(Strict):
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
     sync: SyncConfig = SyncConfig()
+    retention: RetentionConfig = RetentionConfig()
     eval: EvalConfig = EvalConfig()
     continue_as_new_every: int | None = Field(None, ge=1)
     """Continue-as-new after this many steps in one workflow run (besides when Temporal suggests

@@ -158,6 +158,8 @@ class PolicyVersion(Base):
     probe: Mapped[dict[str, Any] | None]
     """Probe token ids and the trainer's reference logprobs, to verify a sync."""
     created_at: Mapped[timestamp_now]
+    deleted_at: Mapped[datetime | None]
+    """When the run's retention policy deleted the version's bytes (the row, with its hash, stays)."""
 
 
 class RolloutGroup(Base):

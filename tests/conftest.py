@@ -142,14 +142,26 @@ async def clean_workflows(temporal_client):  # type: ignore[no-untyped-def]
     """Terminate the workflows a test leaves running (abandoned rollout groups of a cancelled run,
     say), so that the next test's workers on the same task queues never see them."""
     yield
+    import asyncio
+
     from temporalio.client import WorkflowExecutionStatus
 
-    async for wf in temporal_client.list_workflows("ExecutionStatus = 'Running'"):
-        if wf.status == WorkflowExecutionStatus.RUNNING:
-            try:
-                await temporal_client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test cleanup")
-            except Exception:  # noqa: BLE001 - it finished meanwhile
-                pass
+    # the list is eventually consistent (a group started a moment ago may not be in it yet): list until
+    # two passes in a row find nothing running
+    quiet_passes = 0
+    for _ in range(40):
+        found = 0
+        async for wf in temporal_client.list_workflows("ExecutionStatus = 'Running'"):
+            if wf.status == WorkflowExecutionStatus.RUNNING:
+                found += 1
+                try:
+                    await temporal_client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test cleanup")
+                except Exception:  # noqa: BLE001 - it finished meanwhile
+                    pass
+        quiet_passes = quiet_passes + 1 if found == 0 else 0
+        if quiet_passes == 2:
+            return
+        await asyncio.sleep(0.25)
 
 
 @pytest.fixture(scope="session")

@@ -289,10 +289,13 @@ class TrainingRunWorkflow:
         """Load the newest version into `server` until it holds it (a version published meanwhile
         is the next load, skipping those in between); the first server to verify a version due for
         evaluation evaluates it before it loads another. A failed load (retried for sync.timeout_s)
-        ends the loop: the next publish starts it again, and the server's sidecar restores the
-        newest version when the server comes back."""
+        ends the loop unless a newer version was published meanwhile (the failed one may have been
+        deleted by the retention policy for it): the next publish starts it again, and the server's
+        sidecar restores the newest version when the server comes back."""
         while (version := self.state.version) > self.state.server_versions.get(server, -1):
             if not await self._load(server, version):
+                if workflow.patched("sync-newer-after-a-failed-load") and self.state.version > version:
+                    continue
                 return
             if version in self.state.evals_due:
                 self.state.evals_due.remove(version)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,7 @@ from temporalio.client import Client
 
 from rlpipe.cli.run_commands import start_run
 from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.stack import Stack
 from rlpipe.observe import invariants
 from rlpipe.schemas.config import RunConfig, load_run_config
 from rlpipe.schemas.payloads import RunResult
@@ -70,3 +74,10 @@ def assert_audit_trail(db: Database, cfg: RunConfig) -> None:
     for sync in syncs:  # after each sync the server held exactly the trainer's weights
         assert sync.status == "ok" and sync.greedy_match is True
         assert sync.probe_max_abs_diff <= cfg.sync.verify_tolerance
+
+
+def cli(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`rlpipe ...` in a subprocess pointed at the session stack, as an operator would run it."""
+    env = {**os.environ, "RLPIPE_HOME": str(stack.settings.home), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "rlpipe.cli.main", *argv], env=env, capture_output=True, text=True,
+                          timeout=120)

@@ -31,7 +31,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import DuplicateRunName, register_run
 from rlpipe.weights.checkpoints import manifest_key
 from rlpipe.workflows.policies import OUTAGE
-from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, rows, tiny_config
+from tests.integration.runs import RUN_TIMEOUT_S, assert_audit_trail, cli, rows, tiny_config
 from tests.integration.test_grader_box import one_turn_group
 from tests.waiting import run_result, until
 
@@ -80,13 +79,6 @@ async def refusal(call: Awaitable[object]) -> str:
     with pytest.raises(RunCommandError) as caught:
         await call
     return str(caught.value)
-
-
-def cli(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:
-    """`rlpipe ...` in a subprocess pointed at the session stack, as an operator would run it."""
-    env = {**os.environ, "RLPIPE_HOME": str(stack.settings.home), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "rlpipe.cli.main", *argv], env=env, capture_output=True, text=True,
-                          timeout=120)
 
 
 def stored_counts(db: Database, run: str) -> dict[str, int]:

@@ -41,6 +41,7 @@ import torch
 
 from rlpipe.infra.endpoints import Endpoints
 from rlpipe.infra.process import free_port
+from rlpipe.observe.invariants import CHECKPOINTS_MATCH, check_run
 from rlpipe.policy.checkpoint import load_state_dict
 from rlpipe.rl import step as step_module
 from rlpipe.rollout.context import RunContexts
@@ -61,6 +62,7 @@ from rlpipe.weights.checkpoints import (
     load_manifest,
     manifest_key,
     stored_train_states,
+    stored_versions,
     train_state_key,
 )
 
@@ -77,7 +79,7 @@ Weights = dict[str, torch.Tensor]
 
 # -- a run and its buffer -----------------------------------------------------------------------
 def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bool = False,
-            tracking: dict[str, Any] | None = None) -> RunConfig:
+            tracking: dict[str, Any] | None = None, retention: dict[str, Any] | None = None) -> RunConfig:
     """A registered run whose steps move the weights far more than TOLERANCE (lr 1e-3), with the
     reference model (KL) and micro-batches on; `several_updates`: 2 epochs over 2 mini-batches, four
     optimiser steps per train step, anchored at the proximal policy recorded before the first;
@@ -91,6 +93,7 @@ def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bo
         "sync": {"interval": SYNC_INTERVAL, "recovery_state_every": RECOVERY_STATE_EVERY},
         "loss": {"kl_coef": 0.05, **({"off_policy": "decoupled"} if several_updates else {})},
         "optim": {"lr": 1e-3},
+        "retention": retention or {},
         **(tracking or {}),
     })
     with db.begin() as s:
@@ -187,7 +190,9 @@ Uninterrupted = Callable[[int, bool], tuple[RunConfig, FinalState]]
 """(world_size, several_updates) -> the uninterrupted run of that layout and its final state."""
 
 
-def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path) -> FinalState:
+def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path, with_before: bool = True) -> FinalState:
+    """The run's last weights and optimizer state; `with_before`: also the version before (only the
+    uninterrupted run's is compared, and a retention policy may have deleted it)."""
     with db.begin() as s:
         last = s.execute(sa.text("select max(version) from policy_versions where run_id = :r"), {"r": run_id}).scalar()
 
@@ -198,7 +203,8 @@ def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path) -> Fin
 
     store.get_file(train_state_key(run_id, STEPS), tmp / f"{run_id}-optimizer.pt")
     optimizer = torch.load(tmp / f"{run_id}-optimizer.pt", weights_only=True)
-    return FinalState(weights(last), optimizer, weights(last - 1))
+    final = weights(last)
+    return FinalState(final, optimizer, weights(last - 1) if with_before else final)
 
 
 def max_abs_diff(a: Weights, b: Weights) -> float:
@@ -338,6 +344,44 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
     else:
         assert_replayed(metrics, version=0, steps=4)
         assert metrics["recreated_versions"] == 1
+
+
+def test_retention_deletes_old_versions_but_never_the_one_a_restore_needs(
+        uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore, tiny_model: Path,
+        tmp_path: Path) -> None:
+    """keep_last 1 on v0 (base), v1 (step 2), v2 (step 4, optimizer state), v3 (step 5, state).
+    After step 2 only v1 is the newest, but v0 is what a restore to step 3 starts from: it is kept,
+    and the trainer thrown away after step 3 restores from it. Step 4 stores a state: v0 and v1 go,
+    and the trainer thrown away after step 4 restores from v2. After step 5 only v3 and its state
+    are left, and the replays reproduce the uninterrupted run exactly."""
+    _, want = uninterrupted(1, False)
+    cfg = new_run(migrated_db, tiny_model, 1, retention={"keep_last": 1})
+    kept_after: dict[int, set[int]] = {}
+    for steps in (range(1, 4), range(4, 5), range(5, STEPS + 1)):
+        trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}",
+                          background_uploads=True)
+        try:
+            run_steps(trainer, cfg, steps)
+        finally:
+            trainer.shutdown()  # its retention pass has ended
+        kept_after[steps.stop - 1] = stored_versions(object_store, cfg.name)
+    assert kept_after == {3: {0, 1}, 4: {2}, 5: {3}}
+    assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path, with_before=False), want)
+    metrics = step_metrics(migrated_db, cfg.name)
+    assert_replayed(metrics[4], version=0, steps=3)
+    assert_replayed(metrics[5], version=2, steps=0)
+    assert stored_train_states(object_store, cfg.name) == {5}
+    with migrated_db.begin() as s:  # the rows stay, with their hashes, and say when the bytes went
+        deleted = dict(s.execute(sa.text("select version, deleted_at is not null from policy_versions "
+                                         "where run_id = :r"), {"r": cfg.name}).all())
+        invariant = check_run(s, cfg.name, store=object_store, only=[CHECKPOINTS_MATCH])
+    assert deleted == {0: True, 1: True, 2: True, 3: False}
+    assert invariant[0].ok, invariant
+    # the last trainer's cache: v2 (its restore base) was removed with the version, v3 stays
+    assert sorted(p.name for p in (tmp_path / "work-5" / cfg.name).iterdir() if p.is_dir()) == ["v000003"]
+    # the objects left are exactly those v3's manifest names
+    manifest = load_manifest(object_store, manifest_key(cfg.name, 3))
+    assert {o.key for o in object_store.list(f"runs/{cfg.name}/objects/")} == {f.key for f in manifest.files.values()}
 
 
 @pytest.fixture

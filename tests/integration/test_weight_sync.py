@@ -24,15 +24,25 @@ from transformers import AutoModelForCausalLM
 from rlpipe.inference.admin import PauseMode
 from rlpipe.inference.client import Completion, InferenceClient, WeightSpan
 from rlpipe.infra.inference import SERVED_MODEL_NAME
+from rlpipe.infra.stack import Stack
 from rlpipe.policy.chat import chat_prompt_ids, load_tokenizer
 from rlpipe.policy.checkpoint import WEIGHTS_FILE, load_state_dict, save_checkpoint
-from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.config import RetentionConfig, RunConfig
 from rlpipe.schemas.tables import PolicyVersion
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import register_run
 from rlpipe.trainer.probe import make_probe, probe_ids
-from rlpipe.weights.checkpoints import Manifest, download_checkpoint, local_version_dir, manifest_key, upload_checkpoint
+from rlpipe.weights.checkpoints import (
+    Manifest,
+    download_checkpoint,
+    local_version_dir,
+    manifest_key,
+    stored_train_states,
+    stored_versions,
+    train_state_key,
+    upload_checkpoint,
+)
 from rlpipe.weights.labels import (
     UnverifiedWeights,
     parse_verifying,
@@ -40,9 +50,11 @@ from rlpipe.weights.labels import (
     verdicts,
     verifying_label,
 )
+from rlpipe.weights.retention import Pruned, prune_run
 from rlpipe.weights.sidecar import Sidecar
 from rlpipe.weights.sync import probe_logprob_diff
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
+from tests.integration.runs import cli
 
 TOLERANCE = 1e-4  # tiny model in fp32: a faithful load differs by < 4e-6 (docs/vllm-cpu-notes.md)
 RACE_ATTEMPTS = 6
@@ -113,10 +125,10 @@ class Run:
 @pytest.fixture
 def make_run(migrated_db: Database, object_store: ObjectStore, probes: dict[str, dict],
              checkpoints: dict[str, Path], tiny_model: Path):  # type: ignore[no-untyped-def]
-    def make(mode: PauseMode = "wait") -> Run:
+    def make(mode: PauseMode = "wait", retention: dict[str, int] | None = None) -> Run:
         config = RunConfig.model_validate({
             "name": f"ws-{uuid.uuid4().hex[:10]}", "model": {"path": str(tiny_model)},
-            "sync": {"pause_mode": mode, "verify_tolerance": TOLERANCE}})
+            "sync": {"pause_mode": mode, "verify_tolerance": TOLERANCE}, "retention": retention or {}})
         with migrated_db.begin() as s:
             register_run(s, config)
         return Run(config.name, migrated_db, object_store, probes, checkpoints)
@@ -511,3 +523,60 @@ def test_attempt_verdicts_name_exactly_one_attempt(make_run) -> None:  # type: i
     write("ok", second)
     assert (verdict(first), verdict(second)) == ("rejected", "ok")
     assert rows(run.db, "select attempts from sync_events where run_id = :r", r=run.name)[0].attempts == 2
+
+
+# -- retention -------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_retention_keeps_held_versions_and_shared_files_and_refuses_a_late_load_of_a_deleted_one(
+        make_run, sidecar: Sidecar, stack: Stack) -> None:  # type: ignore[no-untyped-def]
+    """v0..v6 (base, then a and b in turn: a file can belong to a kept and a deleted version), the
+    server on v2, optimizer states after steps 3 and 5; keep_last 2. Kept: v5 and v6 (the newest
+    two), v2 (the server holds it; v5 is also the restore base). Deleted: v0, v1, v3, v4 and the
+    state of step 3, but only the files no kept version names."""
+    policy = RetentionConfig(keep_last=2)
+    run = make_run(retention=policy.model_dump())
+    for weights in ("base", "a", "b", "a", "b", "a", "b"):
+        run.publish(weights)
+    for version in (1, 2):  # the sidecar downloads both; the server ends on v2
+        assert (await sidecar.sync(run.name, version)).status == "ok"
+    for step in (3, 5):
+        run.store.put_bytes(train_state_key(run.name, step), b"optimizer state")
+    with run.db.begin() as s:
+        for step in range(1, 7):
+            s.execute(sa.text("insert into train_steps (run_id, step, policy_version, n_groups, n_trajectories, "
+                              "n_tokens, started_at, finished_at) values (:r, :s, 0, 1, 1, 1, now(), now())"),
+                      {"r": run.name, "s": step})
+    manifests = {version: run.manifest(version) for version in range(7)}
+    named_by_kept = {f.key for v in (2, 5, 6) for f in manifests[v].files.values()}
+    only_deleted = {f.key: f.size for v in (0, 1, 3, 4) for f in manifests[v].files.values()
+                    if f.key not in named_by_kept}
+    assert only_deleted, "the base's weights belong to v0 alone"
+
+    pruned = prune_run(run.db, run.store, run.name, policy)
+    assert (pruned.versions, pruned.train_states) == ([0, 1, 3, 4], [3])
+    assert pruned.bytes_freed == sum(only_deleted.values()) + len(b"optimizer state")
+    listed = {o.key for o in run.store.list(f"runs/{run.name}/")}
+    assert named_by_kept <= listed and not only_deleted.keys() & listed
+    assert stored_versions(run.store, run.name) == {2, 5, 6} and stored_train_states(run.store, run.name) == {5}
+    assert {r.version for r in rows(run.db, "select version from policy_versions where run_id = :r and "
+                                            "deleted_at is not null", r=run.name)} == {0, 1, 3, 4}
+    assert prune_run(run.db, run.store, run.name, policy) == Pruned([], [], 0)
+    # what an operator sees
+    shown = cli(stack, "run", "checkpoints", run.name)
+    assert shown.returncode == 0, shown.stderr
+    lines = {line.split("│")[1].strip(): line for line in shown.stdout.splitlines() if line.count("│") == 6}
+    assert "held by server" in lines["2"] and "the newest" in lines["6"] and "stored" in lines["5"]
+    assert all("deleted 20" in lines[str(v)] for v in (0, 1, 3, 4))
+    assert "MB in the object store" in shown.stdout
+
+    # a late load of a deleted version is refused before the server is touched
+    label = await sidecar.admin.weight_version()
+    refused = await sidecar.sync(run.name, 4)
+    assert refused.status == "refused" and "retention" in (refused.error or "")
+    assert await sidecar.admin.weight_version() == label
+    # the next load forgets this machine's download of the deleted v1
+    assert local_version_dir(sidecar.work_dir, run.name, 1).is_dir()
+    assert (await sidecar.sync(run.name, 6)).status == "ok"
+    assert not local_version_dir(sidecar.work_dir, run.name, 1).exists()
+    assert local_version_dir(sidecar.work_dir, run.name, 6).is_dir()

@@ -59,6 +59,8 @@ from rlpipe.schemas.payloads import (
 from rlpipe.workflows.policies import OUTAGE
 from rlpipe.workflows.rollout_group import RUN_CANCELLED
 
+REFUSE_DELAY_S = 1.0
+
 
 @dataclass
 class FakeBooks:
@@ -75,6 +77,8 @@ class FakeBooks:
     failures: list[FailureRecord] = field(default_factory=list)
     down: set[str] = field(default_factory=set)
     """Servers whose syncs fail (a server that is down)."""
+    refused: set[int] = field(default_factory=set)
+    """Versions whose syncs are refused after REFUSE_DELAY_S (deleted by the retention policy)."""
     generated_on: list[str] = field(default_factory=list)
     """The server of every generate call, in order."""
     generated: list[tuple[int, int]] = field(default_factory=list)
@@ -113,6 +117,10 @@ class FakeBooks:
             if server in books.down:
                 raise ApplicationError(f"server {server} is unreachable", non_retryable=True)
             books.log("sync_start", inp.version)
+            if inp.version in books.refused:
+                await asyncio.sleep(REFUSE_DELAY_S)
+                return SyncResult(server, inp.version, "refused", REFUSE_DELAY_S,
+                                  error=f"version {inp.version} was deleted by the run's retention policy")
             await asyncio.sleep(0.02)
             books.server_version[server] = inp.version
             books.log("sync_end", inp.version)

@@ -241,6 +241,20 @@ async def test_a_server_reported_back_takes_groups_again(temporal_client: Client
     assert set(books.generated_on) == {"0", "1"}
 
 
+async def test_a_server_whose_load_is_refused_goes_on_to_the_version_published_meanwhile(
+        temporal_client: Client) -> None:
+    """v1's load is refused (retention deleted it) after step 2 has published v2: the server's
+    sync loop loads v2 instead of ending, so the server ends on the final version."""
+    books = FakeBooks(refused={1})
+    cfg = config(steps=2)
+    async with fake_pipeline(temporal_client, books):
+        result = await finished(await start_run(temporal_client, cfg))
+    assert result.steps == 2 and books.server_version == {"0": 2}
+    loads = [i for _, kind, i in books.events if kind == "sync_start"]
+    assert loads == [0, 1, 2], "v2 was published while v1's load was in flight"
+    assert any(f.message.startswith("server 0 did not take version 1") for f in books.failures)
+
+
 async def test_schedule_update_is_validated(temporal_client: Client) -> None:
     books = FakeBooks(train_delay_s=0.2)
     cfg = config(steps=3, max_staleness=1)

@@ -358,6 +358,34 @@ def cmd_run_cancel(args: argparse.Namespace) -> None:
     console.print(f"run {args.run}: cancellation requested")
 
 
+def cmd_run_checkpoints(args: argparse.Namespace) -> None:
+    from rlpipe.storage.db import Database
+    from rlpipe.storage.object_store import ObjectStore
+    from rlpipe.storage.runs import load_run_config
+    from rlpipe.weights.retention import retention_rows, survey
+    from rlpipe.workers.common import endpoints
+
+    ep = endpoints()
+    db, store = Database(ep.database_url), ObjectStore.from_endpoints(ep)
+    try:
+        with db.begin() as s:
+            policy = load_run_config(s, args.run).retention
+        found = survey(db, store, args.run, policy)
+    except LookupError as exc:
+        raise CliError(str(exc)) from exc
+    finally:
+        db.dispose()
+    table = Table(title=f"checkpoints of run {args.run} (retention: keep_last {policy.keep_last or 'all'}"
+                        f"{f', keep_every {policy.keep_every}' if policy.keep_every else ''})")
+    for col in ("version", "trained steps", "MB", "optimizer state", "status"):
+        table.add_column(col)
+    for row in retention_rows(found):
+        table.add_row(*row)
+    console.print(table)
+    stored = sum(o.size for o in store.list(f"runs/{args.run}/"))
+    console.print(f"{stored / 1e6:.1f} MB in the object store under runs/{args.run}/")
+
+
 def cmd_run_list(args: argparse.Namespace) -> None:
     from rlpipe.cli import run_commands
 
@@ -522,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--max-staleness", type=int)
     command(run, "cancel", cmd_run_cancel, "cancel a run").add_argument("run")
     command(run, "list", cmd_run_list, "runs known to Temporal")
+    command(run, "checkpoints", cmd_run_checkpoints, "the run's versions: which keep their bytes and why, which "
+                                                     "the retention policy deleted, and the space they take"
+            ).add_argument("run")
     for group, kind in (("envs", "environments"), ("graders", "graders")):
         listing = groups.add_parser(group, help=f"the {kind} runs can use").add_subparsers(dest="cmd", required=True)
         command(listing, "list", cmd_plugins_list, f"the {kind} available here and where each comes from "

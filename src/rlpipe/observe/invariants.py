@@ -149,16 +149,19 @@ def counts_reconcile(s: Session, run: RunInfo, started: int | None = None) -> In
 
 
 def checkpoints_match(s: Session, run: RunInfo, store: ObjectStore) -> Invariant:
-    """Every version manifest in the store has its `policy_versions` row and every row its manifest,
-    whose weights object exists with the row's sha256."""
-    rows = {r.checkpoint_key: r.sha256 for r in _scalar_rows(
-        s, "select checkpoint_key, sha256 from policy_versions where run_id = :run", run.run_id)}
+    """Every version manifest in the store has its `policy_versions` row and every row not deleted by
+    the retention policy its manifest, whose weights object exists with the row's sha256."""
+    rows = {r.checkpoint_key: (r.sha256, r.deleted) for r in _scalar_rows(
+        s, "select checkpoint_key, sha256, deleted_at is not null as deleted from policy_versions "
+           "where run_id = :run", run.run_id)}
     manifests = {o.key for o in store.list(f"runs/{run.run_id}/versions/")}
-    orphans, missing = sorted(manifests - rows.keys()), sorted(rows.keys() - manifests)
-    broken = [key for key, sha in rows.items() if key in manifests and not _weights_stored(store, key, sha)]
+    kept = {key for key, (_, deleted) in rows.items() if not deleted}
+    orphans, missing = sorted(manifests - rows.keys()), sorted(kept - manifests)
+    broken = [key for key in sorted(kept & manifests) if not _weights_stored(store, key, rows[key][0])]
     return Invariant(CHECKPOINTS_MATCH, "0 orphans, 0 missing",
-                     f"{len(manifests)} manifests, {len(rows)} rows; orphans {orphans or 0}, missing "
-                     f"{missing or 0}, bad weights {broken or 0}", not orphans and not missing and not broken)
+                     f"{len(manifests)} manifests, {len(rows)} rows ({len(rows) - len(kept)} deleted by retention); "
+                     f"orphans {orphans or 0}, missing {missing or 0}, bad weights {broken or 0}",
+                     not orphans and not missing and not broken)
 
 
 def _weights_stored(store: ObjectStore, manifest_key: str, sha256: str) -> bool:

@@ -9,6 +9,7 @@
                       to S3 (weights + optimizer state) in the background, beside the next step
                     wait for the previous version's upload (never commit past an undurable version)
                     commit: train_steps row (+ policy_versions row) in one transaction
+                    after a publish, the run's retention pass (weights/retention.py) on the upload thread
 
 Exact recovery. Publishing version v after step k stores the weights (what inference servers load)
 and, every `sync.recovery_state_every` steps, the optimizer state after step k beside them
@@ -51,11 +52,13 @@ import torch
 from rlpipe.policy.checkpoint import WEIGHTS_FILE, save_checkpoint
 from rlpipe.rl.batching import plan_updates
 from rlpipe.rollout.context import RunContext, RunContexts
+from rlpipe.schemas.config import RetentionConfig
 from rlpipe.schemas.payloads import PublishedVersion, StepSummary, TrainStepInput
 from rlpipe.schemas.tables import PolicyVersion, TrainStep
 from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.runs import record_failure
 from rlpipe.trainer.engine import Engine, EngineSpec, open_engine, step_seed
 from rlpipe.trainer.probe import make_probe, probe_ids
 from rlpipe.trainer.samples import batch_metrics, staleness, to_samples, trajectory_metrics
@@ -66,11 +69,13 @@ from rlpipe.weights.checkpoints import (
     load_manifest,
     local_version_dir,
     manifest_key,
+    recovery_base,
     stored_train_states,
     stored_versions,
     train_state_key,
     upload_described,
 )
+from rlpipe.weights.retention import deleted_versions, forget_local, prune_run
 
 log = logging.getLogger("rlpipe.trainer")
 Heartbeat = Callable[[], None]
@@ -99,6 +104,8 @@ class Trainer:
                                            initializer=_yield_the_cores)
         self.upload: tuple[Future[None], Callable[[], None]] | None = None
         """The background upload of the newest version published here (and the job, to run it again)."""
+        self.pruning: Future[None] | None = None
+        """The retention pass after the newest commit (on the upload thread, after that upload)."""
 
     # -- entry points ---------------------------------------------------------------------------
     def init_policy(self, run_id: str) -> PublishedVersion:
@@ -142,10 +149,13 @@ class Trainer:
             else:
                 with timed(timings, "upload_wait_s"):
                     self._finish_upload()
-            return self._commit(inp, claim, metrics | restored | timings, started, published)
+            summary = self._commit(inp, claim, metrics | restored | timings, started, published)
         except BaseException:
             self.close()  # the engine may be mid-step or past the committed state: the retry restores
             raise
+        if published is not None and ctx.config.retention.keep_last is not None:
+            self.pruning = self.uploader.submit(self._prune, inp.run_id, ctx.config.retention)
+        return summary
 
     def close(self) -> None:
         """Stop the engine (and its data-parallel ranks); the next step restores from the store. An
@@ -175,6 +185,7 @@ class Trainer:
             self._finish_upload()
         except Exception:  # noqa: BLE001 - the version it lacks is found and re-created below
             log.warning("the upload of the last version published here failed; re-creating it", exc_info=True)
+        self.wait_for_pruning()  # what it deleted is no longer a restore base
         lost = self._lost_versions(ctx, step)
         base = self._restore_base(run_id, min([step, *(v.trained_steps - 1 for v in lost.values())]))
         log.info("restoring run %s: version %d (step %d), replaying steps %d..%d%s", run_id, base.version,
@@ -201,6 +212,7 @@ class Trainer:
         with self.db.begin() as s:
             missing = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
                                                                PolicyVersion.trained_steps <= step,
+                                                               PolicyVersion.deleted_at.is_(None),
                                                                PolicyVersion.version.not_in(durable))
                                 .order_by(PolicyVersion.version)).all()
         lost = {}
@@ -249,15 +261,13 @@ class Trainer:
                 | {"staleness": stale})  # per trajectory, for metrics
 
     def _restore_base(self, run_id: str, step: int) -> PolicyVersion:
-        """Where a restore to `step` starts: the newest published version trained for at most `step`
-        steps whose optimizer state is stored, or the base model (version 0, a fresh optimizer)."""
-        states, durable = stored_train_states(self.store, run_id), stored_versions(self.store, run_id)
+        """Where a restore to `step` starts (checkpoints.recovery_base); never a version whose bytes
+        the retention policy deleted."""
         with self.db.begin() as s:
             versions = s.scalars(sa.select(PolicyVersion).where(PolicyVersion.run_id == run_id,
-                                                                PolicyVersion.trained_steps <= step)
-                                 .order_by(PolicyVersion.version.desc())).all()
-        base = next((v for v in versions
-                     if v.version in durable and (v.trained_steps == 0 or v.trained_steps in states)), None)
+                                                                PolicyVersion.deleted_at.is_(None))).all()
+        base = recovery_base(versions, stored_versions(self.store, run_id), stored_train_states(self.store, run_id),
+                             step)
         if base is None:
             raise RuntimeError(f"run {run_id} has no published version at or before step {step}: "
                                "init_policy must run first")
@@ -346,6 +356,29 @@ class Trainer:
         except Exception:  # noqa: BLE001 - S3 may have been down for a moment: once more, in the foreground
             log.warning("a background upload failed; trying it once more", exc_info=True)
             job()
+
+    def _prune(self, run_id: str, policy: RetentionConfig) -> None:
+        """Apply the run's retention policy (weights/retention.py) to the store and this machine's
+        cache. A failure costs only disk space: it is recorded, and the next pass tries again."""
+        try:
+            pruned = prune_run(self.db, self.store, run_id, policy)
+            local = forget_local(self.work_dir, run_id, deleted_versions(self.db, run_id))
+        except Exception as exc:  # noqa: BLE001 - never fails a step
+            log.warning("the retention pass of run %s failed", run_id, exc_info=True)
+            with self.db.begin() as s:
+                record_failure(s, run_id=run_id, kind="retention", error_type=type(exc).__name__,
+                               message=f"deleting old checkpoints failed (retried after the next publish): {exc}")
+            return
+        if pruned.versions or pruned.train_states or local:
+            log.info("retention of run %s: deleted versions %s and optimizer states of steps %s (%.1f MB in the "
+                     "store, %.1f MB here)", run_id, pruned.versions, pruned.train_states, pruned.bytes_freed / 1e6,
+                     local / 1e6)
+
+    def wait_for_pruning(self) -> None:
+        """Wait for the retention pass in flight, if any (it records its own failures)."""
+        if self.pruning is not None:
+            self.pruning.result()
+            self.pruning = None
 
     def _commit(self, inp: TrainStepInput, claim: buffer.Claim, metrics: dict[str, Any], started: datetime,
                 published: tuple[Manifest, dict] | None) -> StepSummary:

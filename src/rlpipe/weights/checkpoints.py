@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlpipe.policy.checkpoint import WEIGHTS_FILE
+from rlpipe.schemas.tables import PolicyVersion
 from rlpipe.storage.digest import sha256_file
 from rlpipe.storage.object_store import ObjectStore, content_key
 
@@ -53,6 +55,11 @@ class Manifest:
                    {name: StoredFile(**f) for name, f in raw["files"].items()})
 
 
+def objects_prefix(run_id: str) -> str:
+    """Where the run's content-addressed files live."""
+    return f"runs/{run_id}/objects"
+
+
 def manifest_key(run_id: str, version: int) -> str:
     return f"runs/{run_id}/versions/v{version:06d}/manifest.json"
 
@@ -74,12 +81,22 @@ def stored_versions(store: ObjectStore, run_id: str) -> set[int]:
             if info.key.endswith("/manifest.json")}
 
 
+def recovery_base(versions: Iterable[PolicyVersion], durable: set[int], train_states: set[int],
+                  step: int) -> PolicyVersion | None:
+    """Where a restore to `step` starts: the newest of `versions` trained for at most `step` steps
+    that is durable and whose optimizer state is stored, or the base model (version 0, trained for
+    0 steps, restored with a fresh optimizer). None when there is neither."""
+    candidates = [v for v in versions if v.trained_steps <= step and v.version in durable
+                  and (v.trained_steps == 0 or v.trained_steps in train_states)]
+    return max(candidates, key=lambda v: v.version, default=None)
+
+
 def describe_checkpoint(run_id: str, version: int, trained_steps: int, directory: Path) -> Manifest:
     """The manifest of a checkpoint directory: every file hashed and given its content-addressed key."""
     files = {}
     for path in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
         digest = sha256_file(path)
-        files[path.name] = StoredFile(content_key(f"runs/{run_id}/objects", digest, path.name), digest,
+        files[path.name] = StoredFile(content_key(objects_prefix(run_id), digest, path.name), digest,
                                       path.stat().st_size)
     if WEIGHTS_FILE not in files:
         raise FileNotFoundError(f"{directory} has no {WEIGHTS_FILE}")

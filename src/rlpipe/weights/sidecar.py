@@ -40,6 +40,7 @@ from rlpipe.storage.object_store import DigestMismatch, ObjectStore
 from rlpipe.storage.runs import load_run_config, record_failure
 from rlpipe.weights.checkpoints import download_checkpoint, local_version_dir, wait_for_manifest
 from rlpipe.weights.labels import published_label, published_version, verifying_label
+from rlpipe.weights.retention import deleted_versions, forget_local
 from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
 
 log = logging.getLogger("rlpipe.sidecar")
@@ -64,6 +65,8 @@ class Published:
     checkpoint_key: str
     sha256: str
     probe: dict | None
+    deleted: bool = False
+    """The run's retention policy deleted its bytes."""
 
 
 class Sidecar:
@@ -133,6 +136,11 @@ class Sidecar:
             return SyncOutcome(status="ok", error=f"skipped: server {self.server} already holds version {held.version}")
         config = await asyncio.to_thread(self._config, run_id)
         attempt = _Attempt(self, target)
+        if target.deleted:  # a late load of an old version: the workflow's next one is the newest
+            outcome = SyncOutcome(status="refused", error=f"version {version} of run {run_id} was deleted by the "
+                                                          "run's retention policy; the server was not touched")
+            await attempt.record(outcome)
+            return self._observed(target, outcome)
         label = verifying_label(version, attempt.started_at) if config.verify else published_label(version)
         try:
             directory, attempt.bytes, attempt.download_s = await asyncio.to_thread(self._fetch, target)
@@ -156,6 +164,7 @@ class Sidecar:
         await attempt.finish()
         if outcome.status == "ok":
             self.held = Weights(published_label(version), directory, run_id, version, target.probe)
+            await asyncio.to_thread(self._forget_deleted, run_id)
         else:
             self.held = previous if previous.version is not None else None
         return self._observed(target, outcome)
@@ -254,7 +263,12 @@ class Sidecar:
     def _published(self, run_id: str, version: int) -> Published:
         with self.db.begin() as s:
             row = syncs.version_row(s, run_id, version)
-            return Published(run_id, row.version, row.checkpoint_key, row.sha256, row.probe)
+            return Published(run_id, row.version, row.checkpoint_key, row.sha256, row.probe, row.deleted_at is not None)
+
+    def _forget_deleted(self, run_id: str) -> None:
+        """Remove this machine's downloads of the run's versions that retention deleted (the
+        trainer's shared directory is the trainer's to clean)."""
+        forget_local(self.work_dir, run_id, deleted_versions(self.db, run_id))
 
     def _config(self, run_id: str) -> SyncConfig:
         if run_id not in self._configs:
