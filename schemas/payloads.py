@@ -58,6 +58,8 @@ class RunState:
     servers: list[str] = field(default_factory=list)
     next_group_index: int = 0
     in_flight: list[int] = field(default_factory=list)
+    in_flight_servers: dict[int, str] = field(default_factory=dict)
+    """Group index -> the server it was started on, for the groups in flight (load-aware routing)."""
     ready: list[GroupSummary] = field(default_factory=list)
     """Completed groups not yet consumed by a step."""
     groups_completed: int = 0

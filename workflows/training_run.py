@@ -14,6 +14,7 @@ outlive a continue-as-new of the run; the in-flight set travels in `RunState`.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +72,7 @@ class TrainingRunWorkflow:
         self.stopping = False
         self.syncing: dict[str, asyncio.Task[None]] = {}  # server -> its catch-up loop (`_keep_in_sync`)
         self.pauses_on_failures = False
+        self.routes_by_load = False
 
     # -- the run ------------------------------------------------------------------------------------
     @workflow.run
@@ -145,6 +147,7 @@ class TrainingRunWorkflow:
     async def _keep_rollouts_in_flight(self) -> None:
         # runs started before the pause-on-failures rule replay without it (docs/workflow-changes.md)
         self.pauses_on_failures = workflow.patched("pause-after-failed-groups")
+        self.routes_by_load = workflow.patched("route-groups-by-load")
         while not self.stopping:
             await workflow.wait_condition(
                 lambda: self.stopping or self._failing_every_group() or self._launch_server() is not None)
@@ -159,6 +162,8 @@ class TrainingRunWorkflow:
             index = self.state.next_group_index
             self.state.next_group_index += 1
             self.state.in_flight.append(index)
+            if self.routes_by_load:
+                self.state.in_flight_servers[index] = server
             await workflow.start_child_workflow(
                 RolloutGroupWorkflow.run, self._group_input(index, server),
                 id=f"{workflow.info().workflow_id}-group-{index}", task_queue=WORKFLOW_QUEUE,
@@ -178,7 +183,8 @@ class TrainingRunWorkflow:
         view = LauncherView(paused=s.paused, in_flight=len(s.in_flight), consumed=s.groups_consumed,
                             fresh_ready=self._fresh_ready(), step=s.step, max_staleness=s.max_staleness,
                             server_steps={name: s.version_steps[v] for name, v in s.server_versions.items()},
-                            next_group_index=s.next_group_index)
+                            next_group_index=s.next_group_index,
+                            server_load=Counter(s.in_flight_servers.values()) if self.routes_by_load else {})
         return admitted_server(view, LauncherLimits(self.config.steps, rollout.groups_per_step,
                                                     rollout.max_concurrent_groups))
 
@@ -210,6 +216,7 @@ class TrainingRunWorkflow:
         if summary.group_index not in s.in_flight:
             return  # a repeated signal: counted already
         s.in_flight.remove(summary.group_index)
+        s.in_flight_servers.pop(summary.group_index, None)
         if summary.status == "completed":
             s.ready.append(summary)
             s.groups_completed += 1

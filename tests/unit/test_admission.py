@@ -44,6 +44,22 @@ def test_groups_go_round_robin_to_the_freshest_servers_only() -> None:
     assert picks == ["a", "b", "a", "b"]
 
 
+def test_groups_go_to_the_least_loaded_of_the_freshest_servers() -> None:
+    servers = {"a": 2, "b": 2, "c": 1}
+    assert admitted_server(view(step=2, server_steps=servers, server_load={"a": 3, "b": 1}), LIMITS) == "b"
+    # a stale server is not a candidate however idle it is
+    assert admitted_server(view(step=2, server_steps=servers, server_load={"a": 3, "b": 3}), LIMITS) == "a"
+    # a slow server keeps its groups longer and gets fewer: six groups, one finishing on "a" per start
+    load, picks = {"a": 0, "b": 0}, []
+    for i in range(6):
+        pick = admitted_server(view(step=2, server_steps=servers, server_load=load, next_group_index=i), LIMITS)
+        assert pick is not None
+        picks.append(pick)
+        load[pick] += 1
+        load["a"] = max(0, load["a"] - 1)
+    assert picks.count("a") > picks.count("b")
+
+
 @pytest.mark.parametrize("changes", [{"paused": True}, {"in_flight": 100}, {"server_steps": {}},
                                      {"consumed": 36, "fresh_ready": 4}])
 def test_no_group_while_paused_saturated_serverless_or_planned_out(changes: dict[str, object]) -> None:

@@ -68,6 +68,8 @@ class FakeBooks:
     tool_turns: int = 0
     """Model turns that call a tool before the final one (multi-turn episodes)."""
     generate_delay_s: float = 0.01
+    slow_servers: dict[str, float] = field(default_factory=dict)
+    """Server -> its generate delay, where it differs from generate_delay_s."""
     train_delay_s: float = 0.05
     version_steps: list[int] = field(default_factory=lambda: [0])
     server_version: dict[str, int] = field(default_factory=dict)
@@ -145,7 +147,7 @@ class FakeBooks:
         async def generate(inp: GenerateInput) -> GenerateResult:
             books.generated_on.append(inp.server)
             books.generated.append((inp.trajectory_id, inp.turn_index))
-            await asyncio.sleep(books.generate_delay_s)
+            await asyncio.sleep(books.slow_servers.get(inp.server, books.generate_delay_s))
             calls = 1 if inp.turn_index < books.tool_turns else 0
             return GenerateResult(n_tool_calls=calls, done=calls == 0, n_tokens=3, version=0, finish_reason="stop")
 

@@ -255,6 +255,19 @@ async def test_a_server_whose_load_is_refused_goes_on_to_the_version_published_m
     assert any(f.message.startswith("server 0 did not take version 1") for f in books.failures)
 
 
+async def test_a_slow_server_gets_fewer_groups(temporal_client: Client) -> None:
+    """Groups go to the least loaded server: one whose model calls take 10x longer holds its groups
+    longer and is given fewer (round-robin would split them evenly)."""
+    books = FakeBooks(servers=["0", "1"], generate_delay_s=0.02, slow_servers={"1": 0.5})
+    # a budget wide enough that groups are in flight on both servers at once
+    cfg = config(steps=12, max_staleness=4, rollout={"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": 6})
+    async with fake_pipeline(temporal_client, books):
+        result = await finished(await start_run(temporal_client, cfg))
+    assert result.steps == 12
+    groups_on = {server: books.generated_on.count(server) // 2 for server in ("0", "1")}  # one turn, two samples
+    assert groups_on["0"] > 1.5 * groups_on["1"], groups_on
+
+
 async def test_schedule_update_is_validated(temporal_client: Client) -> None:
     books = FakeBooks(train_delay_s=0.2)
     cfg = config(steps=3, max_staleness=1)
