@@ -50,10 +50,14 @@ NUL_REPLACEMENT = "\ufffd"
 byte-fallback token) or a tool's output can produce one."""
 
 
+def text_without_nul(text: str) -> str:
+    return text.replace("\x00", NUL_REPLACEMENT)
+
+
 def without_nul(value: Any) -> Any:
     """`value` with NUL replaced in every string, also inside JSON lists and objects (keys too)."""
     if isinstance(value, str):
-        return value.replace("\x00", NUL_REPLACEMENT)
+        return text_without_nul(value)
     if isinstance(value, dict):
         return {without_nul(k): without_nul(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -68,7 +72,7 @@ class StoredText(TypeDecorator[str]):
     cache_ok = True
 
     def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
-        return None if value is None else value.replace("\x00", NUL_REPLACEMENT)
+        return None if value is None else text_without_nul(value)
 
 
 class StoredJSON(TypeDecorator[Any]):

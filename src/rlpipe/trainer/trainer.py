@@ -75,7 +75,7 @@ from rlpipe.weights.checkpoints import (
     train_state_key,
     upload_described,
 )
-from rlpipe.weights.retention import deleted_versions, forget_local, prune_run
+from rlpipe.weights.retention import forget_deleted, prune_run
 
 log = logging.getLogger("rlpipe.trainer")
 Heartbeat = Callable[[], None]
@@ -362,7 +362,7 @@ class Trainer:
         cache. A failure costs only disk space: it is recorded, and the next pass tries again."""
         try:
             pruned = prune_run(self.db, self.store, run_id, policy)
-            local = forget_local(self.work_dir, run_id, deleted_versions(self.db, run_id))
+            local = forget_deleted(self.db, self.work_dir, run_id)
         except Exception as exc:  # noqa: BLE001 - never fails a step
             log.warning("the retention pass of run %s failed", run_id, exc_info=True)
             with self.db.begin() as s:

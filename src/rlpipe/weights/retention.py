@@ -2,7 +2,7 @@
 
     plan_retention   pure: the versions to keep (each with why) and those to delete
     prune_run        applies it to a run: rows marked, then objects, optimizer states, manifests
-    forget_local     a machine's own copies of deleted versions (trainer cache, sidecar downloads)
+    forget_deleted   a machine's own copies of deleted versions (trainer cache, sidecar downloads)
 
 Whatever the policy (`retention` in the run config), a version still needed keeps its bytes: the
 newest (servers are loading it), each one a server holds (its sidecar rolls a failed load back to
@@ -153,16 +153,14 @@ def retention_rows(found: Survey) -> list[tuple[str, ...]]:
     return table
 
 
-def deleted_versions(db: Database, run_id: str) -> list[int]:
+def forget_deleted(db: Database, root: Path, run_id: str) -> int:
+    """Remove this machine's copies (under `root`) of the run's versions that retention deleted;
+    returns the bytes freed."""
     with db.begin() as s:
-        return list(s.scalars(sa.select(PolicyVersion.version).where(PolicyVersion.run_id == run_id,
-                                                                     PolicyVersion.deleted_at.is_not(None))))
-
-
-def forget_local(root: Path, run_id: str, versions: Iterable[int]) -> int:
-    """Remove this machine's copies of `versions` under `root`; returns the bytes freed."""
+        deleted = list(s.scalars(sa.select(PolicyVersion.version).where(PolicyVersion.run_id == run_id,
+                                                                        PolicyVersion.deleted_at.is_not(None))))
     freed = 0
-    for version in versions:
+    for version in deleted:
         directory = local_version_dir(root, run_id, version)
         if directory.is_dir():
             freed += sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())

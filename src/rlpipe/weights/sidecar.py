@@ -40,7 +40,7 @@ from rlpipe.storage.object_store import DigestMismatch, ObjectStore
 from rlpipe.storage.runs import load_run_config, record_failure
 from rlpipe.weights.checkpoints import download_checkpoint, local_version_dir, wait_for_manifest
 from rlpipe.weights.labels import published_label, published_version, verifying_label
-from rlpipe.weights.retention import deleted_versions, forget_local
+from rlpipe.weights.retention import forget_deleted
 from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
 
 log = logging.getLogger("rlpipe.sidecar")
@@ -268,7 +268,7 @@ class Sidecar:
     def _forget_deleted(self, run_id: str) -> None:
         """Remove this machine's downloads of the run's versions that retention deleted (the
         trainer's shared directory is the trainer's to clean)."""
-        forget_local(self.work_dir, run_id, deleted_versions(self.db, run_id))
+        forget_deleted(self.db, self.work_dir, run_id)
 
     def _config(self, run_id: str) -> SyncConfig:
         if run_id not in self._configs:
