@@ -59,24 +59,37 @@ class RolloutGroupWorkflow:
             ids, self.next_turns, self.finished, self.failed = p.trajectory_ids, p.next_turns, p.finished, p.failed
             self.outages.waited = p.outages_waited
         else:
+            start = asyncio.create_task(execute(
+                act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
+                                                 inp.group_size + inp.hedge_samples), **BOOKKEEPING))
             try:
-                started = await execute(
-                    act.START_GROUP, StartGroupInput(inp.run_id, inp.group_index, workflow.info().workflow_id,
-                                                     inp.group_size + inp.hedge_samples), **BOOKKEEPING)
+                started = await asyncio.shield(start)
             except ActivityError as err:  # not retried: the environment cannot produce this group's task
                 reason = f"group {inp.group_index} could not start: {_cause(err)}"
                 await self._record(inp, "rollout", reason)
                 return await self._report(inp, GroupSummary(inp.group_index, "failed", reason=reason))
+            except asyncio.CancelledError:
+                # cancelled while its rows were being written (or just after): they exist, close them too
+                if workflow.patched("close-books-when-cancelled-at-start"):
+                    try:
+                        ids = (await start).trajectory_ids
+                    except ActivityError:  # it could not start: no rows to close
+                        raise asyncio.CancelledError from None
+                    await self._drop(inp, ids)
+                raise
             ids, self.next_turns = started.trajectory_ids, [0] * len(started.trajectory_ids)
         try:
             return await self._report(inp, await self._play(inp, ids))
         except asyncio.CancelledError:
-            # the run was cancelled: close the group's books, so that no trajectory stays "generating"
             for task in self.samples:
                 task.cancel()
-            await execute(act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [], [], ids, "dropped",
-                                                             RUN_CANCELLED), **BOOKKEEPING)
+            await self._drop(inp, ids)
             raise
+
+    async def _drop(self, inp: GroupInput, ids: list[int]) -> None:
+        """The run was cancelled: close the group's books, so that no trajectory stays "generating"."""
+        await execute(act.FINISH_GROUP, FinishGroupInput(inp.run_id, inp.group_index, [], [], ids, "dropped",
+                                                         RUN_CANCELLED), **BOOKKEEPING)
 
     async def _play(self, inp: GroupInput, ids: list[int]) -> GroupSummary:
         """Run the samples, keep the first `group_size` that finish, grade them and close the group

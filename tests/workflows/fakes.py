@@ -67,6 +67,8 @@ class FakeBooks:
     servers: list[str] = field(default_factory=lambda: ["0"])
     tool_turns: int = 0
     """Model turns that call a tool before the final one (multi-turn episodes)."""
+    start_delay_s: float = 0.0
+    """How long starting a group takes before its rows are written."""
     generate_delay_s: float = 0.01
     slow_servers: dict[str, float] = field(default_factory=dict)
     """Server -> its generate delay, where it differs from generate_delay_s."""
@@ -137,6 +139,7 @@ class FakeBooks:
         async def start_group(inp: StartGroupInput) -> StartGroupResult:
             if books.group_start_error is not None:
                 raise ApplicationError(books.group_start_error, type="ConfigError", non_retryable=True)
+            await asyncio.sleep(books.start_delay_s)
             books.log("group_start", inp.group_index)
             books.groups.setdefault(inp.group_index, {"version": books.server_version.get("0", 0),
                                                       "status": "running", "claimed": None})

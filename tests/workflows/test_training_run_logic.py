@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from temporalio.client import (
@@ -16,6 +17,7 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from rlpipe.cli.run_commands import RunCommandError, cancel, find_run, run_status, start_run
@@ -316,16 +318,52 @@ async def test_cancelling_a_run_cancels_its_groups(temporal_client: Client) -> N
         await cancel(temporal_client, cfg.name)
         with pytest.raises(WorkflowFailureError):
             await handle.result()
-        in_flight = sorted(books.groups)  # none can finish: every group started is in flight
-        groups = [temporal_client.get_workflow_handle(f"{handle.id}-group-{i}") for i in in_flight]
+        groups = await group_workflows(temporal_client, handle.id)  # none can finish: all are in flight
         for _ in range(100):  # the cancels reach the groups a moment after the run closes
             closed = [(await g.describe()).status for g in groups]
             if all(s == WorkflowExecutionStatus.CANCELED for s in closed):
                 break
             await asyncio.sleep(0.1)
-    assert closed == [WorkflowExecutionStatus.CANCELED] * len(groups)
-    assert sorted(books.cancelled_groups) == in_flight, "a cancelled group must close its books"
+    assert len(groups) >= 2 and closed == [WorkflowExecutionStatus.CANCELED] * len(groups)
+    # every group that wrote its rows closed them, also one cancelled while its start was in flight
+    assert sorted(books.cancelled_groups) == sorted(books.groups), "a cancelled group must close its books"
     assert books.statuses[-1] == "cancelled"
+
+
+async def test_a_group_cancelled_while_it_starts_closes_its_books(temporal_client: Client) -> None:
+    books = FakeBooks(start_delay_s=2)  # the cancel lands while every group's rows are being written
+    cfg = config()
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        while (await handle.query(TrainingRunWorkflow.status)).in_flight < 2:
+            await asyncio.sleep(0.05)
+        assert not books.groups
+        await cancel(temporal_client, cfg.name)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        groups = await group_workflows(temporal_client, handle.id)
+        for _ in range(100):  # each group waits for its start to end, then closes its books
+            closed = [(await g.describe()).status for g in groups]
+            if all(s == WorkflowExecutionStatus.CANCELED for s in closed):
+                break
+            await asyncio.sleep(0.1)
+    assert len(groups) >= 2 and closed == [WorkflowExecutionStatus.CANCELED] * len(groups)
+    assert sorted(books.groups) == [i for i in range(len(groups))], "every group's start ran to its end"
+    assert sorted(books.cancelled_groups) == sorted(books.groups), "a cancelled group must close its books"
+
+
+async def group_workflows(client: Client, run_workflow_id: str) -> list[WorkflowHandle[Any, Any]]:
+    """The run's group workflows, in the order it started them (their indices have no gaps)."""
+    handles = []
+    while True:
+        handle = client.get_workflow_handle(f"{run_workflow_id}-group-{len(handles)}")
+        try:
+            await handle.describe()
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                return handles
+            raise
+        handles.append(handle)
 
 
 async def test_a_rejected_config_gets_a_row_and_a_status_that_says_why(temporal_client: Client) -> None:
