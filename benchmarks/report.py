@@ -180,11 +180,11 @@ def trainer_section(d: dict[str, Any]) -> str:
                  "plan_s": "advantages, denominators, collate (plan_step)",
                  "engine_s": "engine step: forward, loss + metrics, backward, clip, AdamW",
                  "upload_wait_s": "wait for the previous version's background upload",
-                 "save_s": "publish: safetensors checkpoint to disk",
-                 "hash_s": "publish: sha256 of the checkpoint's files",
+                 "save_s": "publish: safetensors checkpoint to disk, with the weights' sha256",
+                 "hash_s": "publish: sha256 of the other files (the weights' from the save, since 2026-12-06)",
                  "train_state_s": "publish: optimizer state (torch.save; to S3 with the upload)",
                  "upload_s": "publish: files + manifest to S3 (in the step; beside the next one: only the run's last)",
-                 "probe_s": "publish: probe (teacher-forced logprobs + 16 greedy forwards)",
+                 "probe_s": "publish: probe (teacher-forced logprobs + 16 greedy tokens, KV-cached since 2026-12-06)",
                  "commit_and_rest_s": "committed check, batch metrics, commit, the rest", "wall_s": "whole step"}
         beside = d.get("background_uploads")
         ratios = [["trainer step, publishing every step (CPU default: upload inside the step): claim … commit",

@@ -307,12 +307,12 @@ class Trainer:
         with timed(timings, "save_s"):
             with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
                 directory = Path(tmp) / "checkpoint"
-                save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
+                saved = save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
                 shutil.rmtree(cached, ignore_errors=True)  # a failed try's files: replaced by this step's
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 directory.rename(cached)  # whole or not at all (same filesystem)
         with timed(timings, "hash_s"):
-            manifest = describe_checkpoint(run_id, version, trained_steps, cached)
+            manifest = describe_checkpoint(run_id, version, trained_steps, cached, {WEIGHTS_FILE: saved.sha256})
         if expect_sha256 is not None and manifest.weights.sha256 != expect_sha256:
             raise RuntimeError(f"replaying run {run_id} to step {trained_steps} re-created version {version} with "
                                f"weights {manifest.weights.sha256}, not the committed {expect_sha256}")

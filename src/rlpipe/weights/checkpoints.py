@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,11 +91,13 @@ def recovery_base(versions: Iterable[PolicyVersion], durable: set[int], train_st
     return max(candidates, key=lambda v: v.version, default=None)
 
 
-def describe_checkpoint(run_id: str, version: int, trained_steps: int, directory: Path) -> Manifest:
-    """The manifest of a checkpoint directory: every file hashed and given its content-addressed key."""
+def describe_checkpoint(run_id: str, version: int, trained_steps: int, directory: Path,
+                        known_sha256: Mapping[str, str] | None = None) -> Manifest:
+    """The manifest of a checkpoint directory: every file hashed and given its content-addressed key.
+    `known_sha256`: file name -> digest computed as the file was written (not read again)."""
     files = {}
     for path in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
-        digest = sha256_file(path)
+        digest = (known_sha256 or {}).get(path.name) or sha256_file(path)
         files[path.name] = StoredFile(content_key(objects_prefix(run_id), digest, path.name), digest,
                                       path.stat().st_size)
     if WEIGHTS_FILE not in files:
