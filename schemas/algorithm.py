@@ -138,6 +138,10 @@ class LossConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
     """The sampler's temperature: trainer logits are divided by it so that the trainer's logprobs
     and the sampler's (vLLM processed_logprobs) describe the same distribution."""
+    logit_chunk_tokens: int | None = Field(None, ge=1)
+    """Memory only: compute the vocabulary logits of this many completion tokens at a time (and
+    again in the backward pass) instead of all (tokens x vocabulary) at once; None: all at once.
+    The result is the same to float rounding; a 150k-token vocabulary makes it worth it."""
 
     @model_validator(mode="after")
     def _options_match_choices(self) -> "LossConfig":
@@ -225,6 +229,9 @@ class BatchConfig(BaseModel):
     micro_batch_tokens: int = Field(8192, ge=1)
     """split='tokens' only: budget of padded tokens (rows x longest row) per micro-batch; a sequence
     longer than the budget gets a micro-batch of its own."""
+    activation_checkpointing: bool = False
+    """Memory only: keep each decoder layer's input instead of its activations and recompute the
+    layer in the backward pass (about one more forward of compute for a fraction of the memory)."""
 
     @model_validator(mode="after")
     def _options_match_split(self) -> "BatchConfig":

@@ -3,6 +3,7 @@
 import functools
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from rlpipe.rl.batching import global_stats, plan_step
 from rlpipe.rl.distributed import DataParallelGroup
 from rlpipe.rl.step import accumulate_gradients, completion_logprobs, make_optimizer, train_step
 from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
+from rlpipe.trainer.engine import EngineSpec, LocalEngine
 
 F64 = torch.float64
 TINY = LlamaConfig(
@@ -71,6 +73,63 @@ def test_completion_logprobs_shift_by_one_and_ignore_padding(model: LlamaForCaus
             expected = logp[torch.arange(c), torch.tensor(s.completion_ids)]
             torch.testing.assert_close(logprobs[i, :c], expected, rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(entropy[i, :c], -(logp.exp() * logp).sum(-1), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 1000])
+def test_chunked_logits_give_the_same_logprobs_entropy_and_gradients(model: LlamaForCausalLM,
+                                                                      chunk_tokens: int) -> None:
+    samples = draft_samples()
+    batch = collate(samples, global_stats(samples, world_size=1), pad_token_id=0, dtype=F64)
+    results = []
+    for chunks in (None, chunk_tokens):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = completion_logprobs(model, batch, temperature=0.7, chunk_tokens=chunks)   # (N, L) x 2
+        ((logprobs * batch.loss_mask).sum() + entropy.sum()).backward()   # both terms carry a gradient
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (full_lp, full_ent, full_grads), (lp, ent, grads) = results
+    torch.testing.assert_close(lp, full_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, full_ent, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_chunked_step_trains_to_the_same_parameters(model: LlamaForCausalLM) -> None:
+    samples = on_policy(model, draft_samples())
+    after = []
+    for loss in (LossConfig(entropy_coef=0.01), LossConfig(entropy_coef=0.01, logit_chunk_tokens=4)):
+        torch.manual_seed(0)
+        policy = LlamaForCausalLM._from_config(TINY, dtype=F64)
+        plan = plan_step(samples, advantage=AdvantageConfig(), loss=loss, batch=BatchConfig(micro_batches=2),
+                         pad_token_id=0, dtype=F64)
+        train_step(policy, make_optimizer(policy.parameters(), OptimConfig(lr=1e-2)), plan.shards[0], loss,
+                   grad_clip=1.0)
+        after.append(list(policy.parameters()))
+    for chunked, full in zip(after[1], after[0], strict=True):
+        torch.testing.assert_close(chunked, full, rtol=1e-9, atol=1e-12)
+
+
+def test_activation_checkpointing_trains_to_the_same_parameters(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    LlamaForCausalLM._from_config(TINY, dtype=torch.float32).save_pretrained(tmp_path)
+    samples, after = draft_samples(), []
+    for checkpointed in (False, True):
+        engine = LocalEngine(EngineSpec(tmp_path, tmp_path, None, LossConfig(), OptimConfig(lr=1e-2), world_size=1,
+                                        activation_checkpointing=checkpointed))
+        assert engine.model.is_gradient_checkpointing == checkpointed
+        plan = plan_step(samples, advantage=AdvantageConfig(), loss=LossConfig(), batch=BatchConfig(),
+                         pad_token_id=0)
+        engine.step([plan], seed=0)
+        after.append(engine.state_dict())
+    for name, full in after[0].items():
+        torch.testing.assert_close(after[1][name], full, rtol=1e-6, atol=1e-7)
+
+
+def test_chunked_logits_refuse_a_model_whose_logits_are_scaled(model: LlamaForCausalLM) -> None:
+    samples = draft_samples()
+    batch = collate(samples, global_stats(samples, world_size=1), pad_token_id=0, dtype=F64)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        completion_logprobs(model, batch, chunk_tokens=4)
 
 
 def test_on_policy_step_metrics_match_hand_computation(model: LlamaForCausalLM) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from rlpipe.rl.batch import GlobalStats, TrainBatch
 from rlpipe.rl.losses import EXTREME_METRICS, SUM_METRICS, LossInputs, LossOutput, compute_loss
@@ -39,22 +40,61 @@ def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.op
 
 
 def completion_logprobs(model: nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                        entropy_grad: bool = True) -> tuple[Tensor, Tensor]:
+                        entropy_grad: bool = True, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
     """Logprob and entropy of every completion slot under `model`: two (N, L) tensors with grad
     (the entropy only with `entropy_grad`: without an entropy bonus it is a metric, and its graph
     would keep (N, L, V) tensors for nothing, ~15 % of a SmolLM2 step on CPU).
 
     The token at column c is predicted by the logits at column c - 1 (shift by one); prompts have
     at least one token and padded slots point at column 1, so c - 1 >= 0 always.
+    `chunk_tokens`: see `chunked_completion_logprobs`; None computes all logits at once.
     """
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, T, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logprobs are too coarse for ratios
-    predictor = (batch.completion_index - 1).unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (N, L, V)
-    logp = (logits.gather(1, predictor) / temperature).log_softmax(-1)                  # (N, L, V)
     targets = batch.input_ids.gather(1, batch.completion_index)                         # (N, L)
-    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                        # (N, L)
+    if chunk_tokens is not None:
+        return chunked_completion_logprobs(model, batch, targets, temperature, entropy_grad, chunk_tokens)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, T, V)
+    predictor = (batch.completion_index - 1).unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (N, L, V)
+    return token_logprobs(logits.gather(1, predictor), targets, temperature, entropy_grad)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """log p(target) and the entropy at each position of `logits` (..., V), targets (...)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logprobs are too coarse for ratios
+    logp = (logits / temperature).log_softmax(-1)                                       # (..., V)
+    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                        # (...)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp.exp() * logp).sum(-1)                                           # (N, L)
+        entropy = -(logp.exp() * logp).sum(-1)                                           # (...)
+    return logprobs, entropy
+
+
+UNCHUNKABLE_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config fields of models whose logits are more than lm_head(hidden): the chunked path would skip them."""
+
+
+def chunked_completion_logprobs(model: nn.Module, batch: TrainBatch, targets: Tensor, temperature: float,
+                                entropy_grad: bool, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """`completion_logprobs` without the (N, T, V) logits: the decoder's hidden states of the
+    predicting columns go through the output layer `chunk_tokens` rows at a time, each chunk
+    recomputed in the backward pass (activation checkpointing) instead of kept, so at most one
+    chunk's (chunk_tokens, V) logits are alive at once."""
+    config = getattr(model, "config", None)
+    scaled = [name for name in UNCHUNKABLE_LOGITS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if scaled:
+        raise ValueError(f"loss.logit_chunk_tokens: this model's logits are scaled ({', '.join(scaled)}), which "
+                         "the chunked path does not reproduce; set logit_chunk_tokens to None")
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    predictor = (batch.completion_index - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (N, L, H)
+    rows = hidden.gather(1, predictor).flatten(0, 1)                                    # (N*L, H)
+    head = model.get_output_embeddings()
+
+    def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        return token_logprobs(head(h), t, temperature, entropy_grad)                     # (c,) x 2
+
+    pieces = []
+    for start in range(0, rows.shape[0], chunk_tokens):
+        h, t = rows[start:start + chunk_tokens], targets.flatten()[start:start + chunk_tokens]
+        pieces.append(checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, t))
+    logprobs, entropy = (torch.cat(parts).view_as(targets) for parts in zip(*pieces, strict=True))
     return logprobs, entropy
 
 
@@ -133,11 +173,12 @@ def accumulate_gradients(
             continue  # HF models cannot forward zero rows; an empty micro-batch adds nothing
         mb = mb.to(device)
         logprobs, entropy = completion_logprobs(model, mb, cfg.temperature,              # (N, L) x 2
-                                                entropy_grad=cfg.entropy_coef > 0)
+                                                entropy_grad=cfg.entropy_coef > 0, chunk_tokens=cfg.logit_chunk_tokens)
         ref_logprobs = None
         if ref_model is not None and cfg.kl_coef > 0:
             with torch.no_grad():
-                ref_logprobs, _ = completion_logprobs(ref_model, mb, cfg.temperature)    # (N, L)
+                ref_logprobs, _ = completion_logprobs(ref_model, mb, cfg.temperature,    # (N, L)
+                                                      chunk_tokens=cfg.logit_chunk_tokens)
         inputs = LossInputs(
             logprobs=logprobs,
             sampler_logprobs=mb.sampler_logprobs,
@@ -186,7 +227,7 @@ def train_step(
 
 
 def with_proximal_logprobs(
-    model: nn.Module, micro_batches: Sequence[TrainBatch], temperature: float
+    model: nn.Module, micro_batches: Sequence[TrainBatch], temperature: float, chunk_tokens: int | None = None
 ) -> list[TrainBatch]:
     """The micro-batches with the model's current log-probabilities recorded (no gradient): the
     proximal policy of every update of a step that takes several over the same batch."""
@@ -197,7 +238,8 @@ def with_proximal_logprobs(
             if mb.num_sequences == 0:
                 recorded.append(mb)
                 continue
-            logprobs, _ = completion_logprobs(model, mb.to(device), temperature)         # (N, L)
+            logprobs, _ = completion_logprobs(model, mb.to(device), temperature,         # (N, L)
+                                              chunk_tokens=chunk_tokens)
             recorded.append(replace(mb, proximal_logprobs=logprobs.to(mb.sampler_logprobs.device)))
     return recorded
 
@@ -240,5 +282,5 @@ def run_epochs(
     log-probabilities when there is more than one step; the combined metrics. Shared by the
     single-process path and each data-parallel rank."""
     if epochs * len(updates) > 1:
-        updates = [with_proximal_logprobs(model, u, cfg.temperature) for u in updates]
+        updates = [with_proximal_logprobs(model, u, cfg.temperature, cfg.logit_chunk_tokens) for u in updates]
     return combine_updates([update(u) for _ in range(epochs) for u in updates], epochs)

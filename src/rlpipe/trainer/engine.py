@@ -47,10 +47,14 @@ def step_seed(base_seed: int, step: int) -> int:
     return base_seed * STEPS_PER_SEED + step
 
 
-def load_policy(weights_dir: Path) -> nn.Module:
+def load_policy(weights_dir: Path, activation_checkpointing: bool = False) -> nn.Module:
     """The policy from a complete model directory (the base model or a published checkpoint):
-    fp32, train mode. Tied weights, which checkpoints store once, are re-tied from the config."""
-    return AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).train()
+    fp32, train mode. Tied weights, which checkpoints store once, are re-tied from the config.
+    `activation_checkpointing`: each decoder layer recomputed in the backward pass (train mode only)."""
+    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).train()
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def load_reference(base_dir: Path) -> nn.Module:
@@ -69,6 +73,7 @@ class EngineSpec:
     optim: OptimConfig
     world_size: int
     epochs: int = 1                       # passes over a step's mini-batches (batch.epochs)
+    activation_checkpointing: bool = False  # batch.activation_checkpointing
 
 
 class Engine(Protocol):
@@ -94,7 +99,7 @@ class LocalEngine:
     def __init__(self, spec: EngineSpec) -> None:
         self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_policy(spec.weights_dir).to(device)
+        self.model = load_policy(spec.weights_dir, spec.activation_checkpointing).to(device)
         self.optimizer = make_optimizer(self.model.parameters(), spec.optim)
         if spec.optimizer_state is not None:
             self.optimizer.load_state_dict(spec.optimizer_state)   # moves the state to the parameters' device
@@ -126,7 +131,7 @@ class RankEngine:
         self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
         self.group = DataParallelGroup(
             spec.world_size,
-            functools.partial(load_policy, spec.weights_dir),          # module functions: they pickle
+            functools.partial(load_policy, spec.weights_dir, spec.activation_checkpointing),  # they pickle
             functools.partial(make_optimizer, cfg=spec.optim),
             ref_model_fn=functools.partial(load_reference, spec.base_dir) if spec.loss.kl_coef > 0 else None,
             preload=[__name__],   # torch and transformers, imported once by the fork server

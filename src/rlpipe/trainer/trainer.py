@@ -234,7 +234,8 @@ class Trainer:
         cfg = ctx.config
         self.engine = open_engine(EngineSpec(base_dir=ctx.model_dir, weights_dir=weights_dir,
                                              optimizer_state=optimizer_state, loss=cfg.loss, optim=cfg.optim,
-                                             world_size=cfg.batch.world_size, epochs=cfg.batch.epochs))
+                                             world_size=cfg.batch.world_size, epochs=cfg.batch.epochs,
+                                             activation_checkpointing=cfg.batch.activation_checkpointing))
         self.run_id, self.applied_step = cfg.name, step
 
     def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
