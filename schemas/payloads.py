@@ -68,6 +68,8 @@ class RunState:
     groups_failed: int = 0
     groups_failed_in_a_row: int = 0
     """Failed groups since the last completed one (or the last resume): the pause-on-failures count."""
+    groups_rerouted: int = 0
+    """Times a group in flight was moved off a server that went down."""
     paused: bool = False
     pause_reason: str | None = None
     phase: str = "starting"
@@ -111,6 +113,8 @@ class RunStatus:
     last_group_failure: str | None = None
     unavailable_servers: list[str] = field(default_factory=list)
     """Servers that verifiably hold no published version (down, or restarted): no group goes to them."""
+    groups_rerouted: int = 0
+    """Times a group in flight was moved off a server that went down (its model calls went on elsewhere)."""
     close_reason: str | None = None
     """Why the run failed or was cancelled."""
 

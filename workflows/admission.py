@@ -60,7 +60,16 @@ def admitted_server(view: LauncherView, limits: LauncherLimits) -> str | None:
     live_steps = max(steps for steps, _ in usable)
     if under_way >= (view.max_staleness + live_steps + 1) * limits.groups_per_step:
         return None
-    freshest = [name for steps, name in usable if steps == live_steps]
-    # the least loaded of the freshest servers; among equally loaded ones, round-robin
-    turn = {name: (i - view.next_group_index) % len(freshest) for i, name in enumerate(freshest)}
-    return min(freshest, key=lambda name: (view.server_load.get(name, 0), turn[name]))
+    return least_loaded_freshest(view.server_steps, view.server_load, view.next_group_index)
+
+
+def least_loaded_freshest(server_steps: Mapping[str, int], server_load: Mapping[str, int], turn_index: int) -> str | None:
+    """The least loaded of the servers holding the freshest weights; among equally loaded ones,
+    round-robin by `turn_index`. None when no server is up. Also where a group goes when its
+    server goes down (already admitted, it needs no budget)."""
+    if not server_steps:
+        return None
+    live_steps = max(server_steps.values())
+    freshest = sorted(name for name, steps in server_steps.items() if steps == live_steps)
+    turn = {name: (i - turn_index) % len(freshest) for i, name in enumerate(freshest)}
+    return min(freshest, key=lambda name: (server_load.get(name, 0), turn[name]))

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         FailureRecord,
         FinishGroupInput,
         GenerateInput,
+        GenerateResult,
         GradeGroupInput,
         GroupInput,
         GroupProgress,
@@ -38,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
     from rlpipe.workflows.policies import BOOKKEEPING, generate_options, grade_options, tool_options
 
 GROUP_FINISHED_SIGNAL = "group_finished"
+REROUTE_SIGNAL = "reroute"
 RUN_CANCELLED = "run cancelled"
 
 
@@ -50,10 +52,19 @@ class RolloutGroupWorkflow:
         self.outages = Outages(budget_s=0.0)  # the run's budget, set in `run`
         self.next_turns: list[int] = []  # per sample: the first turn not yet played
         self.handing_over = False  # the history is long enough: samples stop at the end of their turn
+        self.server = ""  # where model calls go: the run's choice at start, or where it rerouted the group
+        self.reroutable = False  # started with the reroute rule (older groups replay without it)
+
+    @workflow.signal(name=REROUTE_SIGNAL)
+    def reroute(self, server: str) -> None:
+        """The group's server went down: model calls go to `server` from now on, the one in flight too."""
+        self.server = server
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupSummary:
         self.outages.budget_s = inp.outage_budget_s
+        self.server = self.server or inp.server  # a reroute may have arrived with the first task
+        self.reroutable = workflow.patched("reroute-model-calls")
         if inp.progress is not None:  # a continued execution: the group started in the first one
             p = inp.progress
             ids, self.next_turns, self.finished, self.failed = p.trajectory_ids, p.next_turns, p.finished, p.failed
@@ -108,7 +119,7 @@ class RolloutGroupWorkflow:
         except TimeoutError:
             deadline_passed = True
         if not deadline_passed and not enough():
-            workflow.continue_as_new(replace(inp, progress=GroupProgress(
+            workflow.continue_as_new(replace(inp, server=self.server, progress=GroupProgress(
                 ids, self.next_turns, self.finished, self.failed, deadline_at, self.outages.waited[-50:])))
         for task in self.samples:  # hedged extras and stragglers are not waited for
             task.cancel()
@@ -182,9 +193,7 @@ class RolloutGroupWorkflow:
             for turn in range(first, inp.max_turns):
                 if turn > first and self._hand_over(inp):
                     return  # the next execution plays on from `turn`
-                generated = await execute_through_outages(
-                    act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, inp.server), self.outages,
-                    **generate_options(inp.generate_timeout_s, inp.generate_attempts))
+                generated = await self._generate(inp, trajectory_id, turn)
                 calls = [execute_through_outages(
                     act.RUN_TOOL, ToolInput(inp.run_id, trajectory_id, turn, call), self.outages,
                     **tool_options(inp.tool_timeout_s, inp.tool_attempts))
@@ -197,11 +206,45 @@ class RolloutGroupWorkflow:
         except ActivityError as err:
             self.failed[index] = _cause(err)
 
+    async def _generate(self, inp: GroupInput, trajectory_id: int, turn: int) -> GenerateResult:
+        """One model call on the group's server. When the run reroutes the group (its server went
+        down), the call in flight is cancelled and made again on the new server, also one that
+        failed meanwhile; a turn the old server managed to store is not generated twice (the
+        activity returns the stored turn)."""
+        while True:
+            server = self.server
+
+            async def call() -> GenerateResult:
+                return await execute_through_outages(  # noqa: B023 - awaited before `server` changes
+                    act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, server), self.outages,
+                    **generate_options(inp.generate_timeout_s, inp.generate_attempts))
+
+            if not self.reroutable:
+                return await call()
+            task = asyncio.create_task(call())
+            await workflow.wait_condition(lambda: task.done() or self.server != server)  # noqa: B023
+            if not task.done():
+                task.cancel()  # the server is gone: the turn goes to the new one
+                task.add_done_callback(_retrieved)
+                continue
+            try:
+                return task.result()
+            except ActivityError:
+                if self.server == server:
+                    raise
+                # it failed on the server that went down while the reroute was on its way: go on there
+
     async def _record(self, inp: GroupInput, kind: str, message: str, details: dict[str, object] | None = None) -> None:
         await execute(
             act.RECORD_FAILURE, FailureRecord(inp.run_id, kind, message, workflow_id=workflow.info().workflow_id,
                                               activity_id=f"group-{inp.group_index}-{kind}", details=details or {}),
             **BOOKKEEPING)
+
+
+def _retrieved(task: asyncio.Task[GenerateResult]) -> None:
+    """Take the outcome of a model call that was given up (its ActivityError says it was cancelled)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _cause(err: BaseException) -> str:

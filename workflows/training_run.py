@@ -48,10 +48,10 @@ with workflow.unsafe.imports_passed_through():
         TrainStepInput,
         sync_queue,
     )
-    from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server
+    from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server, least_loaded_freshest
     from rlpipe.workflows.calls import Outages, execute, execute_through_outages
     from rlpipe.workflows.policies import BOOKKEEPING, EVALUATE, TRAIN, sync_options
-    from rlpipe.workflows.rollout_group import GROUP_FINISHED_SIGNAL, RolloutGroupWorkflow
+    from rlpipe.workflows.rollout_group import GROUP_FINISHED_SIGNAL, REROUTE_SIGNAL, RolloutGroupWorkflow
 
 RUN_NAME = SearchAttributeKey.for_keyword("RunName")
 MODE = SearchAttributeKey.for_keyword("Mode")
@@ -73,6 +73,7 @@ class TrainingRunWorkflow:
         self.syncing: dict[str, asyncio.Task[None]] = {}  # server -> its catch-up loop (`_keep_in_sync`)
         self.pauses_on_failures = False
         self.routes_by_load = False
+        self.reroutes = False  # groups leave a server that goes down (runs started before: they stay)
 
     # -- the run ------------------------------------------------------------------------------------
     @workflow.run
@@ -148,6 +149,7 @@ class TrainingRunWorkflow:
         # runs started before the pause-on-failures rule replay without it (docs/workflow-changes.md)
         self.pauses_on_failures = workflow.patched("pause-after-failed-groups")
         self.routes_by_load = workflow.patched("route-groups-by-load")
+        self.reroutes = self.routes_by_load and workflow.patched("reroute-groups-off-down-servers")
         while not self.stopping:
             await workflow.wait_condition(
                 lambda: self.stopping or self._failing_every_group() or self._launch_server() is not None)
@@ -241,6 +243,33 @@ class TrainingRunWorkflow:
         elif report.version < len(s.version_steps):
             s.server_versions[report.server] = report.version
         # else: a version whose train step this workflow has not heard of yet; its sync follows
+        if self.reroutes:
+            self._reroute_stranded_groups()
+
+    def _reroute_stranded_groups(self) -> None:
+        """Move the groups in flight on servers that are down to the least loaded of the freshest
+        servers up; each group's model call in flight is made again there. With no server up they
+        stay (their calls are retried) until one comes back."""
+        s = self.state
+        load = Counter(s.in_flight_servers.values())
+        up = {name: s.version_steps[v] for name, v in s.server_versions.items()}
+        for index, server in sorted(s.in_flight_servers.items()):
+            if server in up:
+                continue
+            target = least_loaded_freshest(up, load, index)
+            if target is None:
+                return
+            load[server], load[target] = load[server] - 1, load[target] + 1
+            s.in_flight_servers[index] = target
+            s.groups_rerouted += 1
+            asyncio.create_task(self._reroute(index, target))
+
+    async def _reroute(self, index: int, server: str) -> None:
+        group = workflow.get_external_workflow_handle(f"{workflow.info().workflow_id}-group-{index}")
+        try:
+            await group.signal(REROUTE_SIGNAL, server)
+        except Exception:  # noqa: BLE001 - the group finished meanwhile: nothing to move
+            workflow.logger.info("group %d finished before it could be rerouted to server %s", index, server)
 
     def _is_fresh(self, group: GroupSummary, step: int) -> bool:
         """Would `group` be within the staleness budget if trained on at `step`?"""
@@ -377,6 +406,7 @@ class TrainingRunWorkflow:
                          sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
                          evals=list(s.evals), last_group_failure=s.last_group_failure,
                          unavailable_servers=[name for name in s.servers if name not in s.server_versions],
+                         groups_rerouted=s.groups_rerouted,
                          close_reason=s.close_reason)
 
     @workflow.update

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server
+from rlpipe.workflows.admission import LauncherLimits, LauncherView, admitted_server, least_loaded_freshest
 
 LIMITS = LauncherLimits(steps=10, groups_per_step=4, max_concurrent_groups=100)
 
@@ -64,3 +64,11 @@ def test_groups_go_to_the_least_loaded_of_the_freshest_servers() -> None:
                                      {"consumed": 36, "fresh_ready": 4}])
 def test_no_group_while_paused_saturated_serverless_or_planned_out(changes: dict[str, object]) -> None:
     assert admitted_server(view(**changes), LIMITS) is None
+
+
+def test_a_rerouted_group_goes_to_the_least_loaded_of_the_freshest_servers_up() -> None:
+    assert least_loaded_freshest({}, {}, 0) is None, "no server up: the group stays where it is"
+    steps = {"a": 2, "b": 3, "c": 3}
+    assert least_loaded_freshest(steps, {"b": 2, "c": 1}, 0) == "c"
+    assert least_loaded_freshest(steps, {"a": 0, "b": 5, "c": 5}, 0) in {"b", "c"}, "fresher beats less loaded"
+    assert {least_loaded_freshest(steps, {}, i) for i in range(2)} == {"b", "c"}, "ties: round-robin"

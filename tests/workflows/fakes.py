@@ -81,6 +81,8 @@ class FakeBooks:
     failures: list[FailureRecord] = field(default_factory=list)
     down: set[str] = field(default_factory=set)
     """Servers whose syncs fail (a server that is down)."""
+    hung: set[str] = field(default_factory=set)
+    """Servers whose model calls never answer (a server that died mid-call), until cancelled."""
     refused: set[int] = field(default_factory=set)
     """Versions whose syncs are refused after REFUSE_DELAY_S (deleted by the retention policy)."""
     generated_on: list[str] = field(default_factory=list)
@@ -150,6 +152,9 @@ class FakeBooks:
         async def generate(inp: GenerateInput) -> GenerateResult:
             books.generated_on.append(inp.server)
             books.generated.append((inp.trajectory_id, inp.turn_index))
+            while inp.server in books.hung:  # heartbeats: a cancel of the call reaches it
+                activity.heartbeat()
+                await asyncio.sleep(0.1)
             await asyncio.sleep(books.slow_servers.get(inp.server, books.generate_delay_s))
             calls = 1 if inp.turn_index < books.tool_turns else 0
             return GenerateResult(n_tool_calls=calls, done=calls == 0, n_tokens=3, version=0, finish_reason="stop")

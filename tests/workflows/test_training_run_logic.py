@@ -37,7 +37,7 @@ from rlpipe.schemas.payloads import (
 from rlpipe.workers.common import workflow_runner
 from rlpipe.workflows.rollout_group import RolloutGroupWorkflow
 from rlpipe.workflows.training_run import SERVER_STATE_SIGNAL, TrainingRunWorkflow
-from tests.waiting import RunStalled, run_result
+from tests.waiting import RunStalled, run_result, until
 from tests.workflows.fakes import FakeBooks
 
 RESULT_TIMEOUT_S = 120
@@ -243,6 +243,25 @@ async def test_a_server_reported_back_takes_groups_again(temporal_client: Client
     assert set(books.generated_on) == {"0", "1"}
 
 
+async def test_groups_on_a_server_that_goes_down_go_on_on_another(temporal_client: Client) -> None:
+    """Server 1's model calls hang (it died mid-call); when its sidecar reports it down, the groups
+    in flight on it move to server 0, their hung calls are made again there, and none fails."""
+    books = FakeBooks(servers=["0", "1"], hung={"1"})
+    cfg = config(steps=3)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: "1" in books.generated_on, "a model call on server 1", timeout_s=30)
+        books.down.add("1")  # and it stays down: its next syncs fail
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState("1", None))
+        result = await finished(handle)
+        status = await handle.query(TrainingRunWorkflow.status)
+    assert result.steps == 3 and result.groups_failed == 0 and status.groups_rerouted >= 1
+    calls = list(zip(books.generated, books.generated_on, strict=True))
+    hung = {call for call, server in calls if server == "1"}
+    assert hung and hung <= {call for call, server in calls if server == "0"}, "each hung call was made again on 0"
+    assert status.unavailable_servers == ["1"]
+
+
 async def test_a_server_whose_load_is_refused_goes_on_to_the_version_published_meanwhile(
         temporal_client: Client) -> None:
     """v1's load is refused (retention deleted it) after step 2 has published v2: the server's
@@ -258,9 +277,9 @@ async def test_a_server_whose_load_is_refused_goes_on_to_the_version_published_m
 
 
 async def test_a_slow_server_gets_fewer_groups(temporal_client: Client) -> None:
-    """Groups go to the least loaded server: one whose model calls take 10x longer holds its groups
+    """Groups go to the least loaded server: one whose model calls take 50x longer holds its groups
     longer and is given fewer (round-robin would split them evenly)."""
-    books = FakeBooks(servers=["0", "1"], generate_delay_s=0.02, slow_servers={"1": 0.5})
+    books = FakeBooks(servers=["0", "1"], generate_delay_s=0.02, slow_servers={"1": 1.0})
     # a budget wide enough that groups are in flight on both servers at once
     cfg = config(steps=12, max_staleness=4, rollout={"group_size": 2, "groups_per_step": 2, "max_concurrent_groups": 6})
     async with fake_pipeline(temporal_client, books):
