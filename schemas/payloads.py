@@ -69,7 +69,11 @@ class RunState:
     groups_failed_in_a_row: int = 0
     """Failed groups since the last completed one (or the last resume): the pause-on-failures count."""
     groups_rerouted: int = 0
-    """Times a group in flight was moved off a server that went down."""
+    """Times a group in flight was moved off a server that went down (or was drained with move)."""
+    draining: list[str] = field(default_factory=list)
+    """Servers leaving the run: no new groups or loads; they leave once their groups have finished."""
+    left: list[str] = field(default_factory=list)
+    """Servers that were drained and left the run."""
     paused: bool = False
     pause_reason: str | None = None
     phase: str = "starting"
@@ -115,6 +119,10 @@ class RunStatus:
     """Servers that verifiably hold no published version (down, or restarted): no group goes to them."""
     groups_rerouted: int = 0
     """Times a group in flight was moved off a server that went down (its model calls went on elsewhere)."""
+    draining_servers: list[str] = field(default_factory=list)
+    """Servers being drained: their groups in flight finish, nothing new goes to them."""
+    left_servers: list[str] = field(default_factory=list)
+    """Servers drained out of the run (safe to stop)."""
     close_reason: str | None = None
     """Why the run failed or was cancelled."""
 
@@ -142,6 +150,15 @@ class RunResult:
 @dataclass
 class PauseRequest:
     reason: str = "paused by user"
+
+
+@dataclass
+class DrainRequest:
+    """Take a server out of a running run (`drain_server` update)."""
+
+    server: str
+    move: bool = False
+    """False: its groups in flight finish there; True: they move to the other servers at once."""
 
 
 @dataclass

@@ -63,7 +63,8 @@ def admitted_server(view: LauncherView, limits: LauncherLimits) -> str | None:
     return least_loaded_freshest(view.server_steps, view.server_load, view.next_group_index)
 
 
-def least_loaded_freshest(server_steps: Mapping[str, int], server_load: Mapping[str, int], turn_index: int) -> str | None:
+def least_loaded_freshest(server_steps: Mapping[str, int], server_load: Mapping[str, int],
+                          turn_index: int) -> str | None:
     """The least loaded of the servers holding the freshest weights; among equally loaded ones,
     round-robin by `turn_index`. None when no server is up. Also where a group goes when its
     server goes down (already admitted, it needs no budget)."""

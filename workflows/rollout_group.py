@@ -213,16 +213,13 @@ class RolloutGroupWorkflow:
         activity returns the stored turn)."""
         while True:
             server = self.server
-
-            async def call() -> GenerateResult:
-                return await execute_through_outages(  # noqa: B023 - awaited before `server` changes
-                    act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, server), self.outages,
-                    **generate_options(inp.generate_timeout_s, inp.generate_attempts))
-
+            call = execute_through_outages(
+                act.GENERATE, GenerateInput(inp.run_id, trajectory_id, turn, server), self.outages,
+                **generate_options(inp.generate_timeout_s, inp.generate_attempts))
             if not self.reroutable:
-                return await call()
-            task = asyncio.create_task(call())
-            await workflow.wait_condition(lambda: task.done() or self.server != server)  # noqa: B023
+                return await call
+            task = asyncio.create_task(call)
+            await workflow.wait_condition(lambda: task.done() or self.server != server)  # noqa: B023 - awaited here
             if not task.done():
                 task.cancel()  # the server is gone: the turn goes to the new one
                 task.add_done_callback(_retrieved)

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from rlpipe.schemas.config import RunConfig, describe_validation_error
     from rlpipe.schemas.payloads import (
         WORKFLOW_QUEUE,
+        DrainRequest,
         EvalInput,
         FailureRecord,
         GroupInput,
@@ -184,11 +185,16 @@ class TrainingRunWorkflow:
         s, rollout = self.state, self.config.rollout
         view = LauncherView(paused=s.paused, in_flight=len(s.in_flight), consumed=s.groups_consumed,
                             fresh_ready=self._fresh_ready(), step=s.step, max_staleness=s.max_staleness,
-                            server_steps={name: s.version_steps[v] for name, v in s.server_versions.items()},
+                            server_steps=self._routable_steps(),
                             next_group_index=s.next_group_index,
                             server_load=Counter(s.in_flight_servers.values()) if self.routes_by_load else {})
         return admitted_server(view, LauncherLimits(self.config.steps, rollout.groups_per_step,
                                                     rollout.max_concurrent_groups))
+
+    def _routable_steps(self) -> dict[str, int]:
+        """Server -> trained steps of the version it verifiably holds, for the servers groups may go to."""
+        s = self.state
+        return {name: s.version_steps[v] for name, v in s.server_versions.items() if name not in s.draining}
 
     def _failing_every_group(self) -> bool:
         """Has the pause-on-failures count been reached (and the run not paused for it yet)?"""
@@ -219,6 +225,7 @@ class TrainingRunWorkflow:
             return  # a repeated signal: counted already
         s.in_flight.remove(summary.group_index)
         s.in_flight_servers.pop(summary.group_index, None)
+        self._let_drained_servers_leave()
         if summary.status == "completed":
             s.ready.append(summary)
             s.groups_completed += 1
@@ -246,15 +253,15 @@ class TrainingRunWorkflow:
         if self.reroutes:
             self._reroute_stranded_groups()
 
-    def _reroute_stranded_groups(self) -> None:
-        """Move the groups in flight on servers that are down to the least loaded of the freshest
-        servers up; each group's model call in flight is made again there. With no server up they
-        stay (their calls are retried) until one comes back."""
+    def _reroute_stranded_groups(self, leaving: str | None = None) -> None:
+        """Move the groups in flight on servers that are down (or on `leaving`) to the least loaded
+        of the freshest servers up; each group's model call in flight is made again there. With no
+        server up they stay (their calls are retried) until one comes back."""
         s = self.state
         load = Counter(s.in_flight_servers.values())
-        up = {name: s.version_steps[v] for name, v in s.server_versions.items()}
+        up = self._routable_steps()
         for index, server in sorted(s.in_flight_servers.items()):
-            if server in up:
+            if server in s.server_versions and server != leaving:
                 continue
             target = least_loaded_freshest(up, load, index)
             if target is None:
@@ -315,6 +322,8 @@ class TrainingRunWorkflow:
         if evaluate and self.config.eval.prompts:
             self.state.evals_due.append(version)
         for server in self.state.servers:
+            if server in self.state.draining:
+                continue  # leaving the run: it loads nothing more
             if server not in self.syncing or self.syncing[server].done():
                 self.syncing[server] = asyncio.create_task(self._keep_in_sync(server))
 
@@ -328,7 +337,8 @@ class TrainingRunWorkflow:
         ends the loop unless a newer version was published meanwhile (the failed one may have been
         deleted by the retention policy for it): the next publish starts it again, and the server's
         sidecar restores the newest version when the server comes back."""
-        while (version := self.state.version) > self.state.server_versions.get(server, -1):
+        while server not in self.state.draining and \
+                (version := self.state.version) > self.state.server_versions.get(server, -1):
             if not await self._load(server, version):
                 if workflow.patched("sync-newer-after-a-failed-load") and self.state.version > version:
                     continue
@@ -406,7 +416,8 @@ class TrainingRunWorkflow:
                          sync_interval=s.sync_interval, max_staleness=s.max_staleness, last_step=s.last_step_summary,
                          evals=list(s.evals), last_group_failure=s.last_group_failure,
                          unavailable_servers=[name for name in s.servers if name not in s.server_versions],
-                         groups_rerouted=s.groups_rerouted,
+                         groups_rerouted=s.groups_rerouted, draining_servers=list(s.draining),
+                         left_servers=list(s.left),
                          close_reason=s.close_reason)
 
     @workflow.update
@@ -433,6 +444,40 @@ class TrainingRunWorkflow:
     def _validate_resume(self) -> None:
         if not self.state.paused:
             raise ApplicationError(f"run {self.config.name} is not paused")
+
+    @workflow.update
+    def drain_server(self, request: DrainRequest) -> RunStatus:
+        """Take a server out of the run: no new groups or loads go to it, and it leaves the run
+        (status `left_servers`: safe to stop) once its groups in flight have finished there, or at
+        once with `move`, which sends them to the other servers."""
+        self.state.draining.append(request.server)
+        if request.move:
+            self._reroute_stranded_groups(leaving=request.server)
+        self._let_drained_servers_leave()
+        return self.status()
+
+    @drain_server.validator
+    def _validate_drain(self, request: DrainRequest) -> None:
+        s = self.state
+        if request.server not in s.servers:
+            known = ", ".join(s.servers) or "none yet"
+            raise ApplicationError(f"run {self.config.name} has no server {request.server!r} (its servers: {known})")
+        if request.server in s.draining:
+            raise ApplicationError(f"server {request.server} is already being drained")
+        if not self.routes_by_load:
+            raise ApplicationError(f"run {self.config.name} started before servers could be drained: it does not "
+                                   "know which server each group is on")
+        if not [name for name in s.servers if name != request.server and name not in s.draining]:
+            raise ApplicationError(f"server {request.server} is the run's last server: draining it would stop "
+                                   "every rollout (cancel or pause the run instead)")
+
+    def _let_drained_servers_leave(self) -> None:
+        s = self.state
+        for server in [name for name in s.draining if name not in s.in_flight_servers.values()]:
+            s.draining.remove(server)
+            s.servers.remove(server)
+            s.server_versions.pop(server, None)
+            s.left.append(server)
 
     @workflow.update
     def set_schedule(self, update: ScheduleUpdate) -> RunStatus:

@@ -28,8 +28,10 @@ from rlpipe.schemas.payloads import (
     SANDBOX_QUEUE,
     TRAINER_QUEUE,
     WORKFLOW_QUEUE,
+    DrainRequest,
     PauseRequest,
     RunResult,
+    RunStatus,
     ScheduleUpdate,
     ServerState,
     sync_queue,
@@ -260,6 +262,64 @@ async def test_groups_on_a_server_that_goes_down_go_on_on_another(temporal_clien
     hung = {call for call, server in calls if server == "1"}
     assert hung and hung <= {call for call, server in calls if server == "0"}, "each hung call was made again on 0"
     assert status.unavailable_servers == ["1"]
+
+
+async def test_a_drained_server_finishes_its_groups_takes_no_more_and_leaves(temporal_client: Client) -> None:
+    # server 1's calls wait until released, server 0 is slow: while 1 drains, 0 is the busier one
+    books = FakeBooks(servers=["0", "1"], hung={"1"}, slow_servers={"0": 0.3}, train_delay_s=3.0)
+    cfg = config(steps=3, max_staleness=10)  # room for many groups in flight at once
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: "1" in books.generated_on, "a model call on server 1", timeout_s=30)
+        status = await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("1"))
+        assert status.draining_servers == ["1"], "its group in flight keeps it until that group finishes"
+        started = status.groups_completed + status.groups_dropped + status.groups_failed + status.in_flight
+        await asyncio.sleep(1.0)  # groups start meanwhile, all on server 0
+        books.hung.clear()
+
+        async def left_the_run() -> RunStatus | None:
+            status = await handle.query(TrainingRunWorkflow.status)
+            return status if "1" in status.left_servers else None
+
+        left = await until(left_the_run, "server 1 leaves the run", timeout_s=60, interval_s=0.05)
+        calls_before_leaving, version_held = len(books.generated_on), books.server_version["1"]
+        result = await finished(handle)
+        status = await handle.query(TrainingRunWorkflow.status)
+    assert left.draining_servers == [] and status.left_servers == ["1"] and status.unavailable_servers == []
+    assert result.steps == 3 and result.groups_failed == 0
+    assert "1" not in books.generated_on[calls_before_leaving:], "no group went to server 1 after it left"
+    on_1 = {trajectory // 100 for (trajectory, _), server in zip(books.generated, books.generated_on, strict=True)
+            if server == "1"}  # the fakes number trajectories group * 100 + sample
+    assert on_1 and max(on_1) < started, "no group started after the drain went to server 1"
+    assert books.server_version["1"] == version_held < result.version, "a drained server loads nothing more"
+
+
+async def test_a_server_drained_with_move_hands_its_groups_over_at_once(temporal_client: Client) -> None:
+    books = FakeBooks(servers=["0", "1"], hung={"1"})  # its model calls would never end
+    cfg = config(steps=3)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: "1" in books.generated_on, "a model call on server 1", timeout_s=30)
+        status = await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("1", move=True))
+        assert status.left_servers == ["1"] and status.groups_rerouted >= 1
+        result = await finished(handle)
+    assert result.steps == 3 and result.groups_failed == 0
+
+
+async def test_draining_an_unknown_or_the_last_server_is_refused(temporal_client: Client) -> None:
+    books = FakeBooks(servers=["0", "1"], train_delay_s=0.3)
+    cfg = config(steps=3)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: "1" in books.generated_on, "a model call on server 1", timeout_s=30)
+        with pytest.raises(WorkflowUpdateFailedError) as unknown:
+            await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("7"))
+        await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("1", move=True))
+        with pytest.raises(WorkflowUpdateFailedError) as last:
+            await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("0"))
+        await finished(handle)
+    assert "no server '7' (its servers: 0, 1)" in str(unknown.value.cause)
+    assert "server 0 is the run's last server" in str(last.value.cause)
 
 
 async def test_a_server_whose_load_is_refused_goes_on_to_the_version_published_meanwhile(

@@ -351,6 +351,14 @@ def cmd_run_schedule(args: argparse.Namespace) -> None:
     console.print(run_commands.status_table(_run_call(lambda c: run_commands.set_schedule(c, args.run, update))))
 
 
+def cmd_run_drain(args: argparse.Namespace) -> None:
+    from rlpipe.cli import run_commands
+    from rlpipe.schemas.payloads import DrainRequest
+
+    request = DrainRequest(args.server, move=args.move)
+    console.print(run_commands.status_table(_run_call(lambda c: run_commands.drain_server(c, args.run, request))))
+
+
 def cmd_run_cancel(args: argparse.Namespace) -> None:
     from rlpipe.cli import run_commands
 
@@ -548,6 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("run")
     schedule.add_argument("--sync-interval", type=int)
     schedule.add_argument("--max-staleness", type=int)
+    drain = command(run, "drain", cmd_run_drain, "take an inference server out of a running run: its groups "
+                                                 "finish (or --move to the other servers), nothing new goes to it")
+    drain.add_argument("run")
+    drain.add_argument("server", help="the server's name, as `rlpipe run status` lists it")
+    drain.add_argument("--move", action="store_true", help="move its groups in flight to the other servers now")
     command(run, "cancel", cmd_run_cancel, "cancel a run").add_argument("run")
     command(run, "list", cmd_run_list, "runs known to Temporal")
     command(run, "checkpoints", cmd_run_checkpoints, "the run's versions: which keep their bytes and why, which "

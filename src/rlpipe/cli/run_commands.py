@@ -26,7 +26,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from rlpipe.schemas.config import RUN_NAME_PATTERN, RunConfig
-from rlpipe.schemas.payloads import WORKFLOW_QUEUE, PauseRequest, RunStatus, ScheduleUpdate
+from rlpipe.schemas.payloads import WORKFLOW_QUEUE, DrainRequest, PauseRequest, RunStatus, ScheduleUpdate
 from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 console = Console()
@@ -142,6 +142,10 @@ async def set_schedule(client: Client, run: str, update: ScheduleUpdate) -> RunS
     return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.set_schedule, update))
 
 
+async def drain_server(client: Client, run: str, request: DrainRequest) -> RunStatus:
+    return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.drain_server, request))
+
+
 async def _update(client: Client, run: str,
                   send: Callable[[WorkflowHandle[Any, Any]], Awaitable[RunStatus]]) -> RunStatus:
     """`send` one update to the run's workflow; a rejected or failed update becomes a RunCommandError."""
@@ -177,6 +181,12 @@ def status_table(status: RunStatus) -> Table:
         table.add_row("last failure", status.last_group_failure)
     if status.unavailable_servers:
         table.add_row("unavailable servers", ", ".join(status.unavailable_servers) + " (no groups routed to them)")
+    if status.draining_servers:
+        table.add_row("draining servers", ", ".join(status.draining_servers) + " (their groups finish; nothing new)")
+    if status.left_servers:
+        table.add_row("drained servers", ", ".join(status.left_servers) + " (out of the run: safe to stop)")
+    if status.groups_rerouted:
+        table.add_row("rerouted groups", f"{status.groups_rerouted} moved off a server that went down or was drained")
     if last is not None:
         table.add_row("last step", f"#{last.step}: reward {last.reward_mean:.3f}, loss {last.loss:.4f}, "
                                    f"staleness ≤ {last.staleness_max}, {last.n_tokens} tokens, {last.duration_s:.1f}s")

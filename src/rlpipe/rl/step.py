@@ -19,10 +19,12 @@ in one forward pass without gradients before the first update, and every update 
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from rlpipe.rl.batch import GlobalStats, TrainBatch
 from rlpipe.rl.losses import EXTREME_METRICS, SUM_METRICS, LossInputs, LossOutput, compute_loss
@@ -67,6 +69,15 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, entropy_
     return logprobs, entropy
 
 
+class DecoderAndHead(Protocol):
+    """A transformers causal LM seen as its two halves: the decoder (ids -> hidden states) and the
+    output layer (hidden states -> vocabulary logits)."""
+
+    def get_decoder(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module: ...
+
+
 UNCHUNKABLE_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """Config fields of models whose logits are more than lm_head(hidden): the chunked path would skip them."""
 
@@ -77,15 +88,18 @@ def chunked_completion_logprobs(model: nn.Module, batch: TrainBatch, targets: Te
     predicting columns go through the output layer `chunk_tokens` rows at a time, each chunk
     recomputed in the backward pass (activation checkpointing) instead of kept, so at most one
     chunk's (chunk_tokens, V) logits are alive at once."""
-    config = getattr(model, "config", None)
-    scaled = [name for name in UNCHUNKABLE_LOGITS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"loss.logit_chunk_tokens needs a transformers model (its decoder and output layer apart), "
+                        f"not {type(model).__name__}")
+    scaled = [name for name in UNCHUNKABLE_LOGITS if getattr(model.config, name, None) not in (None, 1, 1.0)]
     if scaled:
         raise ValueError(f"loss.logit_chunk_tokens: this model's logits are scaled ({', '.join(scaled)}), which "
                          "the chunked path does not reproduce; set logit_chunk_tokens to None")
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    split = cast(DecoderAndHead, model)
+    hidden = split.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     predictor = (batch.completion_index - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (N, L, H)
     rows = hidden.gather(1, predictor).flatten(0, 1)                                    # (N*L, H)
-    head = model.get_output_embeddings()
+    head = split.get_output_embeddings()
 
     def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         return token_logprobs(head(h), t, temperature, entropy_grad)                     # (c,) x 2
