@@ -119,6 +119,8 @@ class RunStatus:
     """Servers that verifiably hold no published version (down, or restarted): no group goes to them."""
     groups_rerouted: int = 0
     """Times a group in flight was moved off a server that went down (its model calls went on elsewhere)."""
+    in_flight_by_server: dict[str, int] = field(default_factory=dict)
+    """Server -> groups in flight on it (runs with load-aware routing)."""
     draining_servers: list[str] = field(default_factory=list)
     """Servers being drained: their groups in flight finish, nothing new goes to them."""
     left_servers: list[str] = field(default_factory=list)

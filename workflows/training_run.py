@@ -417,6 +417,7 @@ class TrainingRunWorkflow:
                          evals=list(s.evals), last_group_failure=s.last_group_failure,
                          unavailable_servers=[name for name in s.servers if name not in s.server_versions],
                          groups_rerouted=s.groups_rerouted, draining_servers=list(s.draining),
+                         in_flight_by_server=dict(Counter(s.in_flight_servers.values())),
                          left_servers=list(s.left),
                          close_reason=s.close_reason)
 

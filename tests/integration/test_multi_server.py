@@ -41,6 +41,7 @@ from rlpipe.infra.settings import save_settings
 from rlpipe.infra.stack import Stack
 from rlpipe.observe.invariants import check_run
 from rlpipe.schemas.config import RunConfig
+from rlpipe.schemas.payloads import RunStatus
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.workers.launcher import WorkerSet
@@ -182,6 +183,16 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
     killed_at = _db_now(migrated_db)
     os.kill(server_1.pid, signal.SIGKILL)
     held = max(synced(migrated_db, cfg.name, "1"))
+
+    # its sidecar reports it down although a sync holds it, and no group stays on it: each group in
+    # flight there moves to server 0 with its model call (before: they waited for the server's return)
+    async def left_alone() -> RunStatus | None:
+        status = await run_status(temporal_client, cfg.name)
+        return status if "1" in status.unavailable_servers and not status.in_flight_by_server.get("1") else None
+
+    moved = await until(left_alone, "server 1 is out of routing with no group left on it", timeout_s=30,
+                        explain=explain)
+    print(f"groups moved off server 1 after its kill: {moved.groups_rerouted}")
     await until(lambda: len(_published_since(migrated_db, cfg.name, "0", killed_at)) >= 2,
                 "server 0 verifies two versions while server 1 is down", timeout_s=SERVER_DOWN_S, explain=explain)
     paused = await pause(temporal_client, cfg.name, "server 1 stays down a minute")  # the run cannot finish meanwhile

@@ -177,6 +177,9 @@ def status_table(status: RunStatus) -> Table:
                   ", ".join(f"{s}=v{v}" for s, v in sorted(status.server_versions.items())))
     table.add_row("groups", f"{status.in_flight} in flight, {status.buffered} buffered, {status.groups_consumed} "
                             f"trained, {status.groups_dropped} dropped, {status.groups_failed} failed")
+    if status.in_flight_by_server:
+        table.add_row("in flight by server", ", ".join(f"{server}: {n}" for server, n
+                                                        in sorted(status.in_flight_by_server.items())))
     if status.last_group_failure is not None:
         table.add_row("last failure", status.last_group_failure)
     if status.unavailable_servers:

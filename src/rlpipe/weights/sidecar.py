@@ -98,7 +98,13 @@ class Sidecar:
 
     async def check(self) -> SyncOutcome | None:
         """Make sure the server holds what the sidecar verified; restore the latest published
-        version if it does not (returns that restore's outcome, or None when nothing was done)."""
+        version if it does not (returns that restore's outcome, or None when nothing was done).
+        While a sync holds the server, only its death is checked for: the run then moves the
+        server's groups at once instead of when the sync's retries give up."""
+        if self._lock.locked():
+            if self.reachable and not await self.admin.healthy():
+                await self._unreachable()
+            return None
         async with self._lock:
             try:
                 if await self._current() is not None:
@@ -106,9 +112,7 @@ class Sidecar:
                     return None
             except ServerUnavailableError:
                 if self.reachable:
-                    self.reachable = False
-                    log.warning("server %s at %s is unreachable", self.server, self.url)
-                    await self._tell_unknown()
+                    await self._unreachable()
                 return None
             self.reachable = True
             return await self._restore()
@@ -241,7 +245,9 @@ class Sidecar:
             await self._notify(run_id, latest)
         return outcome
 
-    async def _tell_unknown(self) -> None:
+    async def _unreachable(self) -> None:
+        self.reachable = False
+        log.warning("server %s at %s is unreachable", self.server, self.url)
         run_id = await asyncio.to_thread(self._served_run)
         if run_id is not None:
             await self._notify(run_id, None)
