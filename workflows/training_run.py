@@ -187,9 +187,13 @@ class TrainingRunWorkflow:
                             fresh_ready=self._fresh_ready(), step=s.step, max_staleness=s.max_staleness,
                             server_steps=self._routable_steps(),
                             next_group_index=s.next_group_index,
-                            server_load=Counter(s.in_flight_servers.values()) if self.routes_by_load else {})
+                            server_load=self._server_load() if self.routes_by_load else {})
         return admitted_server(view, LauncherLimits(self.config.steps, rollout.groups_per_step,
                                                     rollout.max_concurrent_groups))
+
+    def _server_load(self) -> Counter[str]:
+        """Server -> groups in flight on it (recorded with load-aware routing)."""
+        return Counter(self.state.in_flight_servers.values())
 
     def _routable_steps(self) -> dict[str, int]:
         """Server -> trained steps of the version it verifiably holds, for the servers groups may go to."""
@@ -258,7 +262,7 @@ class TrainingRunWorkflow:
         of the freshest servers up; each group's model call in flight is made again there. With no
         server up they stay (their calls are retried) until one comes back."""
         s = self.state
-        load = Counter(s.in_flight_servers.values())
+        load = self._server_load()
         up = self._routable_steps()
         for index, server in sorted(s.in_flight_servers.items()):
             if server in s.server_versions and server != leaving:
@@ -417,7 +421,7 @@ class TrainingRunWorkflow:
                          evals=list(s.evals), last_group_failure=s.last_group_failure,
                          unavailable_servers=[name for name in s.servers if name not in s.server_versions],
                          groups_rerouted=s.groups_rerouted, draining_servers=list(s.draining),
-                         in_flight_by_server=dict(Counter(s.in_flight_servers.values())),
+                         in_flight_by_server=dict(self._server_load()),
                          left_servers=list(s.left),
                          close_reason=s.close_reason)
 
@@ -473,8 +477,9 @@ class TrainingRunWorkflow:
                                    "every rollout (cancel or pause the run instead)")
 
     def _let_drained_servers_leave(self) -> None:
-        s = self.state
-        for server in [name for name in s.draining if name not in s.in_flight_servers.values()]:
+        """Draining servers with no group left on them leave the run's servers."""
+        s, load = self.state, self._server_load()
+        for server in [name for name in s.draining if not load[name]]:
             s.draining.remove(server)
             s.servers.remove(server)
             s.server_versions.pop(server, None)

@@ -398,11 +398,7 @@ async def test_cancelling_a_run_cancels_its_groups(temporal_client: Client) -> N
         with pytest.raises(WorkflowFailureError):
             await handle.result()
         groups = await group_workflows(temporal_client, handle.id)  # none can finish: all are in flight
-        for _ in range(100):  # the cancels reach the groups a moment after the run closes
-            closed = [(await g.describe()).status for g in groups]
-            if all(s == WorkflowExecutionStatus.CANCELED for s in closed):
-                break
-            await asyncio.sleep(0.1)
+        closed = await statuses_once_cancelled(groups)  # the cancels land a moment after the run closes
     assert len(groups) >= 2 and closed == [WorkflowExecutionStatus.CANCELED] * len(groups)
     # every group that wrote its rows closed them, also one cancelled while its start was in flight
     assert sorted(books.cancelled_groups) == sorted(books.groups), "a cancelled group must close its books"
@@ -421,14 +417,20 @@ async def test_a_group_cancelled_while_it_starts_closes_its_books(temporal_clien
         with pytest.raises(WorkflowFailureError):
             await handle.result()
         groups = await group_workflows(temporal_client, handle.id)
-        for _ in range(100):  # each group waits for its start to end, then closes its books
-            closed = [(await g.describe()).status for g in groups]
-            if all(s == WorkflowExecutionStatus.CANCELED for s in closed):
-                break
-            await asyncio.sleep(0.1)
+        closed = await statuses_once_cancelled(groups)  # each waits for its start, then closes its books
     assert len(groups) >= 2 and closed == [WorkflowExecutionStatus.CANCELED] * len(groups)
     assert sorted(books.groups) == [i for i in range(len(groups))], "every group's start ran to its end"
     assert sorted(books.cancelled_groups) == sorted(books.groups), "a cancelled group must close its books"
+
+
+async def statuses_once_cancelled(groups: list[WorkflowHandle[Any, Any]]) -> list[WorkflowExecutionStatus | None]:
+    """The groups' statuses once all are cancelled, or after 10 s of waiting for it."""
+    for _ in range(100):
+        closed = [(await g.describe()).status for g in groups]
+        if all(s == WorkflowExecutionStatus.CANCELED for s in closed):
+            break
+        await asyncio.sleep(0.1)
+    return closed
 
 
 async def group_workflows(client: Client, run_workflow_id: str) -> list[WorkflowHandle[Any, Any]]:

@@ -246,6 +246,7 @@ class Sidecar:
         return outcome
 
     async def _unreachable(self) -> None:
+        """The server stopped answering: tell the run it serves, which routes no group to it."""
         self.reachable = False
         log.warning("server %s at %s is unreachable", self.server, self.url)
         run_id = await asyncio.to_thread(self._served_run)
