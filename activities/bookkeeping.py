@@ -5,18 +5,27 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
-from rlpipe.activities.definitions import RECORD_FAILURE, RECORD_REJECTED_RUN, REGISTER_RUN, SET_RUN_STATUS
+from rlpipe.activities.definitions import (
+    CHECK_SERVER,
+    RECORD_FAILURE,
+    RECORD_REJECTED_RUN,
+    REGISTER_RUN,
+    SET_RUN_STATUS,
+)
+from rlpipe.inference.directory import ServerDirectory, UnknownServer
 from rlpipe.schemas.config import RunConfig
-from rlpipe.schemas.payloads import FailureRecord, RegisterRunResult, RejectedRun, RunStatusUpdate
+from rlpipe.schemas.payloads import FailureRecord, JoinRequest, RegisterRunResult, RejectedRun, RunStatusUpdate
 from rlpipe.storage.db import Database
 from rlpipe.storage.runs import record_failure, record_rejected_run, register_run, set_run_status
 
 
 class BookkeepingActivities:
-    def __init__(self, db: Database, servers: list[str]) -> None:
+    def __init__(self, db: Database, servers: ServerDirectory) -> None:
         self.db = db
         self.servers = servers
+        """A run starts on the configured servers; others can join it by name (`check_server`)."""
 
     @activity.defn(name=REGISTER_RUN.name)
     async def register_run(self, config: RunConfig) -> RegisterRunResult:
@@ -27,7 +36,14 @@ class BookkeepingActivities:
                 register_run(s, config, workflow_id)
 
         await asyncio.to_thread(write)
-        return RegisterRunResult(servers=self.servers)
+        return RegisterRunResult(servers=sorted(self.servers.configured))
+
+    @activity.defn(name=CHECK_SERVER.name)
+    async def check_server(self, request: JoinRequest) -> None:
+        try:
+            await self.servers.url(request.server)
+        except UnknownServer as exc:
+            raise ApplicationError(str(exc), type="UnknownServer", non_retryable=True) from exc
 
     @activity.defn(name=SET_RUN_STATUS.name)
     async def set_run_status(self, update: RunStatusUpdate) -> None:

@@ -29,6 +29,7 @@ from rlpipe.schemas.payloads import (
     GradeGroupResult,
     GroupSummary,
     InitPolicyInput,
+    JoinRequest,
     PublishedVersion,
     RegisterRunResult,
     RejectedRun,
@@ -67,6 +68,9 @@ RECORD_FAILURE: ActivityDefinition[FailureRecord, None] = ActivityDefinition(
     "record_failure", FailureRecord, None, WORKFLOW_QUEUE)
 RECORD_REJECTED_RUN: ActivityDefinition[RejectedRun, None] = ActivityDefinition(
     "record_rejected_run", RejectedRun, None, WORKFLOW_QUEUE)
+CHECK_SERVER: ActivityDefinition[JoinRequest, None] = ActivityDefinition(
+    "check_server", JoinRequest, None, WORKFLOW_QUEUE)
+"""A server joining a running run is one the workers can reach by name (configured or registered)."""
 
 # -- rollout -----------------------------------------------------------------------------------------
 CHECK_TASKS: ActivityDefinition[RunCheckInput, None] = ActivityDefinition(
@@ -88,5 +92,5 @@ SYNC_WEIGHTS = ActivityDefinition("sync_weights", SyncInput, SyncResult, None)
 """On `payloads.sync_queue(server)`: the sidecar beside that server."""
 
 ALL_ACTIVITIES: tuple[ActivityDefinition[Any, Any], ...] = (
-    REGISTER_RUN, SET_RUN_STATUS, RECORD_FAILURE, RECORD_REJECTED_RUN, CHECK_TASKS, START_GROUP, GENERATE,
+    REGISTER_RUN, SET_RUN_STATUS, RECORD_FAILURE, RECORD_REJECTED_RUN, CHECK_SERVER, CHECK_TASKS, START_GROUP, GENERATE,
     FINISH_GROUP, RUN_TOOL, GRADE_GROUP, EVALUATE, INIT_POLICY, TRAIN_STEP, SYNC_WEIGHTS)

@@ -14,6 +14,7 @@ from rlpipe.evaluation.heldout import evaluate_served_version
 from rlpipe.graders.base import GraderDeps
 from rlpipe.graders.registry import build_rubric_graders
 from rlpipe.inference.client import InferenceClient
+from rlpipe.inference.directory import ServerDirectory
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.payloads import EvalInput, EvalSummary
@@ -22,7 +23,7 @@ from rlpipe.storage.evals import record_eval
 
 
 class EvaluationActivities:
-    def __init__(self, db: Database, contexts: RunContexts, servers: dict[str, str], executor: Executor,
+    def __init__(self, db: Database, contexts: RunContexts, servers: ServerDirectory, executor: Executor,
                  deps: GraderDeps) -> None:
         self.db = db
         self.contexts = contexts
@@ -35,7 +36,7 @@ class EvaluationActivities:
     async def evaluate(self, inp: EvalInput) -> EvalSummary:
         ctx = self.contexts.get(inp.run_id)
         rubric, graders = build_rubric_graders(ctx.env.rubric, ctx.config.grader, self.deps)
-        async with InferenceClient(self.servers[inp.server], SERVED_MODEL_NAME, route="generate") as client:
+        async with InferenceClient(await self.servers.url(inp.server), SERVED_MODEL_NAME, route="generate") as client:
             outcome = await heartbeating(evaluate_served_version(
                 client, ctx.env, ctx.tokenizer, self.executor, rubric, graders, inp.version, ctx.config.eval.prompts,
                 ctx.config.eval.max_tokens, ctx.config.model.max_model_len))

@@ -9,6 +9,7 @@ from temporalio import activity
 from rlpipe.activities.common import heartbeating, instrumented
 from rlpipe.activities.definitions import CHECK_TASKS, FINISH_GROUP, GENERATE, START_GROUP
 from rlpipe.inference.client import InferenceClient
+from rlpipe.inference.directory import ServerDirectory
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.observe.metrics import METRICS
 from rlpipe.rl.advantages import compute_advantages, shaped_rewards, uninformative
@@ -33,18 +34,17 @@ from rlpipe.weights.labels import settle_completion, verdicts
 
 
 class RolloutActivities:
-    def __init__(self, db: Database, contexts: RunContexts, servers: dict[str, str]) -> None:
+    def __init__(self, db: Database, contexts: RunContexts, servers: ServerDirectory) -> None:
         self.db = db
         self.contexts = contexts
         self.servers = servers
-        """server id -> base URL"""
         self._clients: dict[tuple[str, str], InferenceClient] = {}
 
-    def client(self, server: str, model: str) -> InferenceClient:
+    async def client(self, server: str, model: str) -> InferenceClient:
         key = (server, model)
         if key not in self._clients:
             # the token route: exact weight-version spans per token (a sync may happen mid-request)
-            self._clients[key] = InferenceClient(self.servers[server], model, route="generate")
+            self._clients[key] = InferenceClient(await self.servers.url(server), model, route="generate")
         return self._clients[key]
 
     @activity.defn(name=CHECK_TASKS.name)
@@ -96,7 +96,7 @@ class RolloutActivities:
         seed = request_seed(ctx.config.sampling.seed, inp.run_id, trajectory.group_index, trajectory.sample_index,
                             inp.turn_index)
         completion, latency = await heartbeating(sample_turn(
-            self.client(inp.server, SERVED_MODEL_NAME), plan, ctx.config, ctx.env, ctx.tokenizer, seed))
+            await self.client(inp.server, SERVED_MODEL_NAME), plan, ctx.config, ctx.env, ctx.tokenizer, seed))
         # tokens sampled while a sync verified new weights count once that sync's verdict is "ok"
         # (keep mode: a request spanning a sync then records both versions); else the turn is retried
         completion = await heartbeating(settle_completion(completion, verdicts(self.db, inp.run_id, inp.server)))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from rlpipe.infra.settings import StackSettings
+from rlpipe.infra.settings import StackSettings, named_urls
 
 START_THE_STACK = ("start it with `rlpipe stack up` (or set DATABASE_URL, S3_ENDPOINT_URL and TEMPORAL_ADDRESS "
                    "to point at your own services)")
@@ -123,8 +123,8 @@ def check_external(settings: StackSettings) -> list[tuple[str, str, bool, str]]:
         rows.append(("s3 (external)", settings.s3_endpoint or "AWS S3", *_probe(lambda: _check_s3(settings))))
     if settings.external_temporal is not None:
         rows.append(("temporal (external)", settings.external_temporal, *_probe(lambda: _check_temporal(settings))))
-    for url in settings.external_inference_urls:
-        rows.append(("inference (external)", url, *_probe(partial(_check_http, url + "/health"))))
+    for name, url in named_urls(settings.external_inference_urls).items():
+        rows.append((f"inference {name} (external)", url, *_probe(partial(_check_http, url + "/health"))))
     return rows
 
 

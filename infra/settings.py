@@ -22,13 +22,16 @@ A TOML file (`RLPIPE_CONFIG`, default `rlpipe.toml` in the working directory) ma
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 LOOPBACK = "127.0.0.1"
+SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+"""An inference server's name: it is part of its sync queue's name (`inference-<name>`)."""
 
 
 class StackSettings(BaseModel):
@@ -91,6 +94,13 @@ class StackSettings(BaseModel):
     external_database_url: str | None = None
     external_s3_endpoint: str | None = None
     external_inference_urls: list[str] = Field(default_factory=list)
+    """INFERENCE_URLS: `URL` (named by its position, "0", "1", ...) or `NAME=URL` entries."""
+
+    @field_validator("external_inference_urls")
+    @classmethod
+    def _named_servers(cls, entries: list[str]) -> list[str]:
+        named_urls(entries)  # raises, naming the bad entry
+        return entries
 
     @property
     def temporal_address(self) -> str:
@@ -112,8 +122,30 @@ class StackSettings(BaseModel):
             return list(self.external_inference_urls)
         return [f"http://{self.host}:{self.inference_base_port + i}" for i in range(self.inference_servers)]
 
+    def inference_servers_by_name(self) -> dict[str, str]:
+        """Inference server name -> URL."""
+        return named_urls(self.inference_urls())
+
     def service_dir(self, name: str) -> Path:
         return (self.home / name).resolve()
+
+
+def named_urls(entries: list[str]) -> dict[str, str]:
+    """Server name -> URL from INFERENCE_URLS entries: `NAME=URL`, or a bare `URL` named by its
+    position ("0", "1", ...), so that existing positional setups keep their names."""
+    servers: dict[str, str] = {}
+    for position, entry in enumerate(entries):
+        name, sep, url = entry.partition("=")
+        if not sep or "://" in name:  # a bare URL (whose query string may hold '=')
+            name, url = str(position), entry
+        if not SERVER_NAME.fullmatch(name):
+            raise ValueError(f"inference server name {name!r} in {entry!r}: use letters, digits, '.', '_' or '-'")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"inference server {name!r}: {url!r} is not an http(s) URL")
+        if name in servers:
+            raise ValueError(f"inference server name {name!r} is given twice")
+        servers[name] = url.rstrip("/")
+    return servers
 
 
 class SettingsError(ValueError):

@@ -74,6 +74,9 @@ class RunState:
     """Servers leaving the run: no new groups or loads; they leave once their groups have finished."""
     left: list[str] = field(default_factory=list)
     """Servers that were drained and left the run."""
+    joining: list[str] = field(default_factory=list)
+    """Servers that joined the running run and have not yet verified the version current when they
+    joined: no groups go to them (whatever their sidecar reports they hold)."""
     paused: bool = False
     pause_reason: str | None = None
     phase: str = "starting"
@@ -125,6 +128,8 @@ class RunStatus:
     """Servers being drained: their groups in flight finish, nothing new goes to them."""
     left_servers: list[str] = field(default_factory=list)
     """Servers drained out of the run (safe to stop)."""
+    joining_servers: list[str] = field(default_factory=list)
+    """Servers that joined and are loading the current version: they take groups once it is verified."""
     close_reason: str | None = None
     """Why the run failed or was cancelled."""
 
@@ -161,6 +166,13 @@ class DrainRequest:
     server: str
     move: bool = False
     """False: its groups in flight finish there; True: they move to the other servers at once."""
+
+
+@dataclass
+class JoinRequest:
+    """Add a server to a running run (`join_server` update); its sidecar must be running."""
+
+    server: str
 
 
 @dataclass

@@ -10,6 +10,7 @@ idempotent upsert: a retried or replayed activity can never duplicate or skip da
           ├─ sync_events (run, version, server)      weight loads into inference servers
           └─ failures                                every retried or terminal error
     grader_cache (key)                                grades by hash of (grader, version, prompt, response)
+    inference_servers (name)                          the fleet: where each named server is reached
 """
 
 from __future__ import annotations
@@ -491,3 +492,20 @@ class TrackerCursor(Base):
     """The tracker's last error, cleared by the next batch it accepts."""
     failing_since: Mapped[datetime | None]
     updated_at: Mapped[timestamp_now]
+
+
+class InferenceServer(Base):
+    """A named inference server and where it is reached (storage/servers.py). Its sync sidecar
+    writes the row when it starts, so a server that joins a running run is found by name by the
+    workers that were started before it (rollout, grader), without a restart."""
+
+    __tablename__ = "inference_servers"
+    __table_args__ = (CheckConstraint("name <> ''", name="name_not_empty"),
+                      CheckConstraint("url like 'http://%' or url like 'https://%'", name="url_is_http"))
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    url: Mapped[str] = mapped_column(Text)
+    registered_at: Mapped[timestamp_now]
+    """The first time a sidecar registered this name."""
+    seen_at: Mapped[timestamp_now]
+    """The latest time a sidecar (re)registered it: when that server's sidecar last started."""

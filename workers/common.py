@@ -23,7 +23,7 @@ import rlpipe.envs.registry  # noqa: F401
 import rlpipe.graders.registry  # noqa: F401
 from rlpipe.infra.endpoints import Endpoints, resolve_endpoints
 from rlpipe.infra.process import free_port
-from rlpipe.infra.settings import load_settings
+from rlpipe.infra.settings import load_settings, named_urls
 from rlpipe.infra.temporal_client import TemporalUnreachable, connect_temporal, temporal_connection
 from rlpipe.security.codec import EncryptionCodec
 
@@ -72,7 +72,9 @@ def start_metrics(name: str, kind: str, boxes: tuple[str, ...], server: str | No
     settings = load_settings()
     METRICS.tracker.declare(*boxes)
     base = settings.metrics_base_port
-    wanted = metrics_port(kind, int(server) if server is not None else None, base) if base else 0
+    # a sidecar's fixed port is by its server's position; a server named otherwise takes a free port
+    fixed = base and (server is None or server.isdigit())
+    wanted = metrics_port(kind, int(server) if server is not None else None, base) if fixed else 0
     port = serve_metrics(wanted, addr=settings.host)
     sdk_port = sdk_metrics_port(port) if base else free_port(settings.host)
     ports_file = settings.home.resolve() / "workers" / f"{name}.metrics"
@@ -87,8 +89,9 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 
 def server_urls(ep: Endpoints) -> dict[str, str]:
-    """Inference server id -> URL; ids are the positions in INFERENCE_URLS / the stack ("0", "1", ...)."""
-    return {str(i): url for i, url in enumerate(ep.inference_urls)}
+    """Inference server name -> URL, as configured (INFERENCE_URLS `NAME=URL` entries; a bare URL
+    and the local stack's servers are named by position: "0", "1", ...)."""
+    return named_urls(ep.inference_urls)
 
 
 def setup_logging(name: str) -> logging.Logger:

@@ -8,6 +8,7 @@ from temporalio.worker import Worker
 from rlpipe.activities.evaluation import EvaluationActivities
 from rlpipe.activities.grading import GradingActivities
 from rlpipe.graders.base import GraderDeps
+from rlpipe.inference.directory import ServerDirectory
 from rlpipe.rollout.context import RunContexts
 from rlpipe.sandbox.config import SandboxConfig
 from rlpipe.sandbox.executor import SandboxExecutor
@@ -26,7 +27,7 @@ async def run_grader_worker(max_concurrent_groups: int = 32) -> None:
         contexts, executor = RunContexts(db), SandboxExecutor(sandbox)
         deps = GraderDeps(executor=executor, http_client=http)
         grading = GradingActivities(db, contexts, deps)
-        evaluation = EvaluationActivities(db, contexts, server_urls(ep), executor, deps)
+        evaluation = EvaluationActivities(db, contexts, ServerDirectory(server_urls(ep), db), executor, deps)
         worker = Worker(client, task_queue=GRADER_QUEUE, activities=[grading.grade_group, evaluation.evaluate],
                         max_concurrent_activities=max_concurrent_groups)
         log.info("serving %s", GRADER_QUEUE)

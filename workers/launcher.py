@@ -56,7 +56,7 @@ class WorkerSet:
         self.home = settings.home.resolve()
         self.table = ProcessTable(self.home / "workers.json")
         self.env = env or {}
-        self.servers = [str(i) for i in range(len(settings.inference_urls()))]
+        self.servers = list(settings.inference_servers_by_name())
 
     def log(self, name: str) -> Path:
         return self.home / "workers" / f"{name}.log"

@@ -9,10 +9,14 @@ import asyncio
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlpipe worker", description=__doc__)
     parser.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar"])
-    parser.add_argument("--server", help="sidecar only: the inference server id it syncs")
+    parser.add_argument("--server", help="sidecar only: the name of the inference server it syncs")
+    parser.add_argument("--url", help="sidecar only: the server's URL, for a server not in INFERENCE_URLS (one "
+                                      "joining running runs); the sidecar registers the name and URL for the workers")
     args = parser.parse_args(argv)
     if args.kind == "sidecar" and args.server is None:
-        parser.error("the sidecar needs --server ID (the inference server it syncs)")
+        parser.error("the sidecar needs --server NAME (the inference server it syncs)")
+    if args.url is not None and args.kind != "sidecar":
+        parser.error("--url is for the sidecar only")
     # each worker imports only what it needs: the trainer pulls torch, the sidecar does not
     if args.kind == "rollout":
         from rlpipe.workers.rollout import run_rollout_worker
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from rlpipe.workers.sidecar import run_sidecar_worker
 
-        asyncio.run(run_sidecar_worker(args.server))
+        asyncio.run(run_sidecar_worker(args.server, args.url))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ from temporalio.worker import Worker
 
 from rlpipe.activities.sync import SyncActivities
 from rlpipe.infra.inference import SERVED_MODEL_NAME
-from rlpipe.infra.settings import load_settings
+from rlpipe.infra.settings import load_settings, named_urls
 from rlpipe.schemas.payloads import ServerState, sync_queue
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.servers import register_server
 from rlpipe.storage.syncs import run_workflow_id
 from rlpipe.weights.sidecar import Sidecar, StateListener
 from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
@@ -30,16 +31,24 @@ from rlpipe.workflows.training_run import SERVER_STATE_SIGNAL
 SHARED_CHECKPOINTS_ENV = "RLPIPE_SHARED_CHECKPOINTS"
 
 
-async def run_sidecar_worker(server: str) -> None:
+async def run_sidecar_worker(server: str, url: str | None = None) -> None:
+    """Serve `server`'s sync queue; `url` names a server that is not configured (INFERENCE_URLS),
+    e.g. one that will join running runs."""
     log = setup_logging(f"sidecar-{server}")
     ep = endpoints()
     urls = server_urls(ep)
+    if url is not None:
+        try:
+            urls = {**urls, **named_urls([f"{server}={url}"])}
+        except ValueError as exc:
+            raise SystemExit(f"sidecar --server/--url: {exc}") from exc
     if server not in urls:
         raise SystemExit(f"no inference server '{server}': the workers know {sorted(urls) or 'none'} "
-                         "(INFERENCE_URLS or `rlpipe stack up --inference N`)")
+                         "(INFERENCE_URLS, `rlpipe stack up --inference N`, or give its --url)")
     client = await connect(ep, start_metrics(f"sidecar-{server}", "sidecar", ("sync",), server),
                            wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
+    await asyncio.to_thread(_register, db, server, urls[server])
     shared = os.environ.get(SHARED_CHECKPOINTS_ENV)
     sidecar = Sidecar(db, ObjectStore.from_endpoints(ep), server, urls[server],
                       load_settings().home.resolve() / f"sidecar-{server}", model_name=SERVED_MODEL_NAME,
@@ -49,6 +58,12 @@ async def run_sidecar_worker(server: str) -> None:
     worker = Worker(client, task_queue=sync_queue(server), activities=[SyncActivities(db, sidecar).sync_weights])
     log.info("serving %s for %s (checkpoints from %s)", sync_queue(server), urls[server], shared or "S3")
     await asyncio.gather(worker.run(), sidecar.watch())
+
+
+def _register(db: Database, server: str, url: str) -> None:
+    """Tell the workers where this server is: those started without it find it by name (a join)."""
+    with db.begin() as s:
+        register_server(s, server, url)
 
 
 def _signal_run(client: Client, db: Database, server: str) -> StateListener:

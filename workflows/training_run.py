@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         GroupInput,
         GroupSummary,
         InitPolicyInput,
+        JoinRequest,
         PauseRequest,
         RejectedRun,
         RunCheckInput,
@@ -251,6 +252,8 @@ class TrainingRunWorkflow:
             return  # before the run registered its servers, or a server it does not use
         if report.version is None:
             s.server_versions.pop(report.server, None)
+        elif report.server in s.joining:
+            pass  # a joining server takes groups once the load that its join started is verified
         elif report.version < len(s.version_steps):
             s.server_versions[report.server] = report.version
         # else: a version whose train step this workflow has not heard of yet; its sync follows
@@ -361,6 +364,8 @@ class TrainingRunWorkflow:
             outcome, why = None, _describe(err)
         if outcome is not None and outcome.status == "ok":
             self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
+            if server in self.state.joining:
+                self.state.joining.remove(server)
             self._publish_attributes()
             return True
         await self._record("sync", f"server {server} did not take version {version}: {why}",
@@ -422,7 +427,7 @@ class TrainingRunWorkflow:
                          unavailable_servers=[name for name in s.servers if name not in s.server_versions],
                          groups_rerouted=s.groups_rerouted, draining_servers=list(s.draining),
                          in_flight_by_server=dict(self._server_load()),
-                         left_servers=list(s.left),
+                         left_servers=list(s.left), joining_servers=list(s.joining),
                          close_reason=s.close_reason)
 
     @workflow.update
@@ -476,12 +481,49 @@ class TrainingRunWorkflow:
             raise ApplicationError(f"server {request.server} is the run's last server: draining it would stop "
                                    "every rollout (cancel or pause the run instead)")
 
+    @workflow.update
+    async def join_server(self, request: JoinRequest) -> RunStatus:
+        """Add a server to the running run (one drained out of it may come back): it loads the
+        current version and takes groups once it has verified it (status `joining_servers` until
+        then); each later version is published to it like to the others."""
+        try:
+            await execute(act.CHECK_SERVER, request, **BOOKKEEPING)
+        except ActivityError as err:  # the workers cannot reach a server by that name
+            raise ApplicationError(_describe(err), type="UnknownServer") from err
+        s, server = self.state, request.server
+        self._validate_join(request)  # again: another join of the same server may have landed meanwhile
+        if server in s.left:
+            s.left.remove(server)
+        s.servers.append(server)
+        s.joining.append(server)
+        s.server_versions.pop(server, None)  # whatever it held before is not verified for this run now
+        self.syncing[server] = asyncio.create_task(self._keep_in_sync(server))
+        return self.status()
+
+    @join_server.validator
+    def _validate_join(self, request: JoinRequest) -> None:
+        s, name = self.state, self.config.name
+        if not s.servers:
+            raise ApplicationError(f"run {name} has not registered its servers yet: join once it is running")
+        if s.step >= self.config.steps or s.close_reason is not None:
+            raise ApplicationError(f"run {name} has finished training: no server can join it")
+        if request.server in s.draining:
+            raise ApplicationError(f"server {request.server} is being drained from run {name}: join it again once "
+                                   "it has left (status: drained servers)")
+        if request.server in s.servers:
+            raise ApplicationError(f"server {request.server} already serves run {name}")
+        if not self.routes_by_load:
+            raise ApplicationError(f"run {name} started before servers could join: it routes groups without "
+                                   "knowing which server each is on")
+
     def _let_drained_servers_leave(self) -> None:
         """Draining servers with no group left on them leave the run's servers."""
         s, load = self.state, self._server_load()
         for server in [name for name in s.draining if not load[name]]:
             s.draining.remove(server)
             s.servers.remove(server)
+            if server in s.joining:
+                s.joining.remove(server)
             s.server_versions.pop(server, None)
             s.left.append(server)
 

@@ -34,6 +34,7 @@ insert into train_steps (run_id, step, policy_version, n_groups, n_trajectories,
     values ('ck', 1, 0, 1, 2, 10, now(), now());
 insert into sync_events (run_id, version, server, status, bytes, started_at, finished_at)
     values ('ck', 0, 's0', 'ok', 10, now(), now());
+insert into inference_servers (name, url) values ('s0', 'http://10.0.0.2:8000');
 insert into failures (run_id, kind, workflow_id, activity_id, attempt, error_type, message)
     values ('ck', 'grade', 'wf', 'a1', 1, 'ValueError', 'boom');
 insert into activity_spans (run_id, box, activity, workflow_id, activity_id, attempt, worker, ok, started_at, finished_at)
@@ -67,6 +68,7 @@ EVAL = ("insert into eval_results (run_id, version, split, n_prompts, n_correct,
 FAIL = ("insert into failures (run_id, kind, workflow_id, activity_id, attempt, error_type, message) "
         "values ('ck', 'grade', {wf}, {act}, {attempt}, 'E', 'm')")
 
+SERVER = "insert into inference_servers (name, url) values ({name}, {url})"
 CURSOR = "insert into tracker_cursors (run_id, tracker, step, batches) values ('ck', {tracker}, {step}, {batches})"
 
 
@@ -146,6 +148,9 @@ CASES: list[tuple[str, str]] = [
     ("uq_tracker_cursors_run_id_tracker", CURSOR.format(tracker="'tensorboard'", step=0, batches=0)),
     ("ck_tracker_cursors_step_non_negative", CURSOR.format(tracker="'mlflow'", step=-1, batches=0)),
     ("ck_tracker_cursors_batches_non_negative", CURSOR.format(tracker="'mlflow'", step=0, batches=-1)),
+    ("pk_inference_servers", SERVER.format(name="'s0'", url="'http://10.0.0.3:8000'")),
+    ("ck_inference_servers_name_not_empty", SERVER.format(name="''", url="'http://10.0.0.3:8000'")),
+    ("ck_inference_servers_url_is_http", SERVER.format(name="'s1'", url="'10.0.0.3:8000'")),
     ("fk_trajectories_group_id_rollout_groups",
      "insert into trajectories (run_id, group_id, sample_index) values ('ck', 123456789, 0)"),
 ]
@@ -188,6 +193,7 @@ def test_baseline_is_valid(baseline) -> None:  # type: ignore[no-untyped-def]
     baseline.exec_driver_sql(VERSION.format(v=1, steps=1, sha="'" + "b" * 64 + "'", size=1))  # retry: no-op
     baseline.exec_driver_sql(STEP.format(step=2, ng=1, loss=0.5, smax=1, fin="now()"))
     baseline.exec_driver_sql(CURSOR.format(tracker="'mlflow'", step=3, batches=1))
+    baseline.exec_driver_sql(SERVER.format(name="'gpu-a.1'", url="'https://10.0.0.3:8000'"))
     savepoint.rollback()
 
 
@@ -223,6 +229,7 @@ def test_every_constraint_has_a_case() -> None:
             if column.unique:
                 named.add(f"uq_{table.name}_{column.name}")
     covered = {name for name, _ in CASES}
-    pk_without_natural_meaning = {f"pk_{t}" for t in Base.metadata.tables} - {"pk_runs", "pk_grader_cache"}
+    pk_without_natural_meaning = {f"pk_{t}" for t in Base.metadata.tables} - {"pk_runs", "pk_grader_cache",
+                                                                           "pk_inference_servers"}
     missing = named - covered - pk_without_natural_meaning
     assert not missing, f"constraints without a violating-row case: {sorted(missing)}"

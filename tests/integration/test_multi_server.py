@@ -14,6 +14,12 @@ trainer's checkpoints in place (a shared filesystem: no S3 download); versions o
 forward on each server; no rollout records a version that was never published; the audit
 invariants hold (each step judged by the staleness bound it ran under); the run's schedule is
 changed through the CLI while it runs; and nothing of server 1 outlives its stop.
+
+A second run takes the elastic fleet through the CLI (issue #20): server 1 is drained out of the
+running run (`rlpipe run drain --move`) and takes no call once out; its vLLM process then comes back
+under a name no worker was configured with (a sidecar started with `--url`, which registers it) and
+joins the run (`rlpipe run join`): it loads the version current at the join, samples only once that
+load is verified, and is kept in sync to the end.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -44,6 +51,7 @@ from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import RunStatus
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
+from rlpipe.storage.servers import registered_servers
 from rlpipe.workers.launcher import WorkerSet
 from rlpipe.workers.sidecar import SHARED_CHECKPOINTS_ENV
 from tests.integration.runs import RUN_TIMEOUT_S, rows, tiny_config
@@ -146,13 +154,16 @@ def rlpipe(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_lost(
         two_servers: TwoServers, temporal_client: Client, migrated_db: Database, object_store: ObjectStore,
         tiny_model: Path) -> None:
-    # a slow tool keeps groups between turns, so the first kill lands in tool calls; 20 steps leave
+    # a slow tool keeps groups between turns, so the first kill lands in tool calls; 24 steps leave
     # the run going when it is paused after server 1's kill, on a fast machine too, and groups to
-    # launch after server 1 is back
+    # launch after server 1 is back: a group for step s starts once s <= step + max_staleness, so
+    # after the resume (staleness 3) server 1 gets one only if the run paused before step 21. On
+    # the project's CI machine with 20 steps the pause came at step 18, every remaining group had
+    # started on server 0, and server 1 had nothing to take
     # no evaluation: the first server to verify a version evaluates it inside its sync loop, and on the
     # project's slow CI machine the base version's evaluation kept server 1 from loading any version
     # until the run's last steps (twice), so the crashes below never met two servers in use
-    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=20, max_staleness=2, eval={"prompts": 0},
+    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=24, max_staleness=2, eval={"prompts": 0},
                       rollout={"tool_latency": {"kind": "constant", "seconds": 1.0}})
     monkey = Monkey(two_servers.stack, two_servers.workers, hard=True, progress=lambda msg: None)
     handle = await start_run(temporal_client, cfg)
@@ -269,6 +280,111 @@ async def test_two_servers_ride_out_database_and_server_crashes_and_nothing_is_l
     recorded |= {r.v for r in rows(migrated_db, "select policy_version as v from trajectories where run_id = :r "
                                                 "and policy_version is not null", r=cfg.name)}
     assert recorded <= set(published)
+
+
+async def test_a_server_is_drained_out_of_a_running_run_and_another_joins_it_by_name(
+        two_servers: TwoServers, temporal_client: Client, migrated_db: Database, object_store: ObjectStore,
+        tiny_model: Path) -> None:
+    # the sidecars register their servers by name as they start
+    settings = two_servers.stack.settings
+    await until(lambda: {n: u for n, u in _fleet(migrated_db).items() if n in SERVERS}
+                == settings.inference_servers_by_name(), "both sidecars register their servers", timeout_s=120)
+
+    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=16, max_staleness=2, eval={"prompts": 0})
+    handle = await start_run(temporal_client, cfg)
+    home = settings.home.resolve()
+
+    async def explain() -> str:
+        return await where_the_run_is(temporal_client, migrated_db, cfg, two_servers)
+
+    async def status() -> RunStatus:
+        return await run_status(temporal_client, cfg.name)
+
+    async def has_left(server: str) -> bool:
+        return server in (await status()).left_servers
+
+    await until(lambda: all(max(synced(migrated_db, cfg.name, s), default=0) >= 1 for s in SERVERS),
+                "both servers verify a trained version", timeout_s=300, explain=explain)
+
+    # server 1 is drained with --move: its groups go to server 0 at once and it leaves the run
+    drained = rlpipe(home, "run", "drain", cfg.name, "1", "--move")
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    await until(lambda: has_left("1"), "server 1 leaves the run", timeout_s=60, explain=explain)
+    left_at, held = _db_now(migrated_db), max(synced(migrated_db, cfg.name, "1"))
+
+    # the same vLLM process comes back as a server the workers were never told of: its new sidecar
+    # registers the name, and the rollout workers (started before) find it by that name
+    two_servers.workers.down(only=["sidecar-1"], progress=lambda msg: None)
+    with _sidecar(home, JOINER, settings.inference_servers_by_name()["1"], two_servers.workers) as joiner_log:
+        async def joiner_log_tail() -> str:
+            return joiner_log.read_text(errors="replace")[-3000:]
+
+        await until(lambda: JOINER in _fleet(migrated_db), f"{JOINER}'s sidecar registers it", timeout_s=120,
+                    explain=joiner_log_tail)
+        await until(lambda: max(synced(migrated_db, cfg.name, "0")) > held + 1,
+                    "server 0 verifies newer versions meanwhile", timeout_s=300, explain=explain)
+        current = max(r.version for r in rows(migrated_db, "select version from policy_versions where run_id = :r",
+                                              r=cfg.name))
+        joined_at = _db_now(migrated_db)
+        joined = rlpipe(home, "run", "join", cfg.name, JOINER)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        refused = rlpipe(home, "run", "join", cfg.name, "9")
+        assert refused.returncode != 0 and "no inference server named '9'" in refused.stdout + refused.stderr
+        result = await run_result(handle, RUN_TIMEOUT_S)
+        final = await status()
+
+    assert result.steps == cfg.steps and result.groups_failed == 0
+    assert final.left_servers == ["1"] and final.joining_servers == []
+    assert final.server_versions[JOINER] == result.version, "the joined server was kept in sync to the end"
+    with migrated_db.begin() as s:
+        broken = [inv for inv in check_run(s, cfg.name, store=object_store) if not inv.ok]
+    assert broken == [], broken
+
+    # server 1 loaded nothing and sampled nothing once out; the joiner's first load was the version
+    # current at the join, and it sampled only after that load was verified
+    assert not [e for e in _events_since(migrated_db, cfg.name, "1", left_at) if e.status == "ok"]
+    [first, *_] = [e for e in _events_since(migrated_db, cfg.name, JOINER, joined_at) if e.status == "ok"]
+    assert first.version >= current > held
+    began = "tu.created_at - tu.generate_latency_s * interval '1 second'"
+    turns = rows(migrated_db, f"""
+        select tu.server, tu.version_before, tu.created_at from turns tu join trajectories t on t.id = tu.trajectory_id
+        where t.run_id = :r and {began} > :t""", r=cfg.name, t=left_at)
+    assert not [t for t in turns if t.server == "1"], "a model call went to server 1 after it left the run"
+    on_joiner = [t for t in turns if t.server == JOINER]
+    assert on_joiner, f"{JOINER} took no rollouts after it joined"
+    assert all(t.created_at > first.finished_at - LABEL_SLACK and t.version_before >= first.version
+               for t in on_joiner), f"{JOINER} sampled before it verified the version it joined on"
+
+
+JOINER = "gpu-b"
+"""The name server 1's vLLM process joins the second run under, which no worker was configured with."""
+
+
+def _fleet(db: Database) -> dict[str, str]:
+    with db.begin() as s:
+        return registered_servers(s)
+
+
+@contextmanager
+def _sidecar(home: Path, server: str, url: str, workers: WorkerSet) -> Iterator[Path]:
+    """A sync sidecar for `server` at `url` in place of sidecar 1, started by hand (`rlpipe worker
+    sidecar --url`) the way an operator adds a server; stopped with its whole session on the way
+    out, when sidecar 1 is started again."""
+    log = home / "workers" / f"sidecar-{server}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli.main", "worker", "sidecar", "--server", server,
+                                 "--url", url], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RLPIPE_HOME": str(home)})
+    try:
+        yield log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        workers.up(only=["sidecar-1"], progress=lambda msg: None)  # server 1's own sidecar, as the module had it
 
 
 def _report_stall(published: dict[int, datetime], killed_at: datetime) -> None:

@@ -14,6 +14,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from rlpipe.activities.definitions import (
+    CHECK_SERVER,
     CHECK_TASKS,
     EVALUATE,
     FINISH_GROUP,
@@ -41,6 +42,7 @@ from rlpipe.schemas.payloads import (
     GradeGroupResult,
     GroupSummary,
     InitPolicyInput,
+    JoinRequest,
     PublishedVersion,
     RegisterRunResult,
     RejectedRun,
@@ -65,6 +67,8 @@ REFUSE_DELAY_S = 1.0
 @dataclass
 class FakeBooks:
     servers: list[str] = field(default_factory=lambda: ["0"])
+    spare: list[str] = field(default_factory=list)
+    """Servers the workers know that a run does not start on: they may join it."""
     tool_turns: int = 0
     """Model turns that call a tool before the final one (multi-turn episodes)."""
     start_delay_s: float = 0.0
@@ -85,6 +89,8 @@ class FakeBooks:
     """Servers whose model calls never answer (a server that died mid-call), until cancelled."""
     refused: set[int] = field(default_factory=set)
     """Versions whose syncs are refused after REFUSE_DELAY_S (deleted by the retention policy)."""
+    loads: list[tuple[str, int, int]] = field(default_factory=list)
+    """(server, version, model calls made so far) of every verified load, in order."""
     generated_on: list[str] = field(default_factory=list)
     """The server of every generate call, in order."""
     generated: list[tuple[int, int]] = field(default_factory=list)
@@ -119,7 +125,7 @@ class FakeBooks:
 
         @activity.defn(name=SYNC_WEIGHTS.name)
         async def sync_weights(inp: SyncInput) -> SyncResult:
-            server = next(s for s in books.servers if sync_queue(s) == activity.info().task_queue)
+            server = next(s for s in books.servers + books.spare if sync_queue(s) == activity.info().task_queue)
             if server in books.down:
                 raise ApplicationError(f"server {server} is unreachable", non_retryable=True)
             books.log("sync_start", inp.version)
@@ -129,8 +135,14 @@ class FakeBooks:
                                   error=f"version {inp.version} was deleted by the run's retention policy")
             await asyncio.sleep(0.02)
             books.server_version[server] = inp.version
+            books.loads.append((server, inp.version, len(books.generated_on)))
             books.log("sync_end", inp.version)
             return SyncResult(server, inp.version, "ok", 0.02)
+
+        @activity.defn(name=CHECK_SERVER.name)
+        async def check_server(request: JoinRequest) -> None:
+            if request.server not in books.servers + books.spare:
+                raise ApplicationError(f"no inference server named {request.server!r}", non_retryable=True)
 
         @activity.defn(name=CHECK_TASKS.name)
         async def check_tasks(inp: RunCheckInput) -> None:
@@ -221,5 +233,5 @@ class FakeBooks:
         async def set_run_status(update: RunStatusUpdate) -> None:
             books.statuses.append(update.status)
 
-        return [register_run, init_policy, sync_weights, check_tasks, start_group, generate, run_tool, grade_group,
-                finish_group, train_step, evaluate, record_failure, record_rejected_run, set_run_status]
+        return [register_run, check_server, init_policy, sync_weights, check_tasks, start_group, generate, run_tool,
+                grade_group, finish_group, train_step, evaluate, record_failure, record_rejected_run, set_run_status]

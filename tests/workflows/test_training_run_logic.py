@@ -29,6 +29,7 @@ from rlpipe.schemas.payloads import (
     TRAINER_QUEUE,
     WORKFLOW_QUEUE,
     DrainRequest,
+    JoinRequest,
     PauseRequest,
     RunResult,
     RunStatus,
@@ -49,7 +50,7 @@ pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("clean_workflows")]
 @asynccontextmanager
 async def fake_pipeline(client: Client, books: FakeBooks) -> AsyncIterator[None]:
     queues = [WORKFLOW_QUEUE, ROLLOUT_QUEUE, SANDBOX_QUEUE, GRADER_QUEUE, TRAINER_QUEUE,
-              *(sync_queue(server) for server in books.servers)]
+              *(sync_queue(server) for server in books.servers + books.spare)]
     workers = [Worker(client, task_queue=q, activities=books.activities(),
                       workflows=[TrainingRunWorkflow, RolloutGroupWorkflow] if q == WORKFLOW_QUEUE else [],
                       workflow_runner=workflow_runner()) for q in queues]
@@ -320,6 +321,37 @@ async def test_draining_an_unknown_or_the_last_server_is_refused(temporal_client
         await finished(handle)
     assert "no server '7' (its servers: 0, 1)" in str(unknown.value.cause)
     assert "server 0 is the run's last server" in str(last.value.cause)
+
+
+async def test_a_server_joins_a_running_run_and_takes_groups_only_once_it_verified_the_current_version(
+        temporal_client: Client) -> None:
+    # server 1 is down when it joins: its first load fails, and what its sidecar reports meanwhile
+    # does not make it routable; once it is back, the next publish loads it and groups follow
+    books = FakeBooks(servers=["0"], spare=["1"], down={"1"}, train_delay_s=0.3)
+    cfg = config(steps=8)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: books.server_version.get("0", 0) >= 1, "server 0 holds a trained version", timeout_s=30)
+        with pytest.raises(WorkflowUpdateFailedError) as unknown:
+            await handle.execute_update(TrainingRunWorkflow.join_server, JoinRequest("7"))
+        with pytest.raises(WorkflowUpdateFailedError) as member:
+            await handle.execute_update(TrainingRunWorkflow.join_server, JoinRequest("0"))
+        joined = await handle.execute_update(TrainingRunWorkflow.join_server, JoinRequest("1"))
+        assert joined.joining_servers == ["1"] and "1" in joined.unavailable_servers
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState("1", 0))  # a sidecar's report of old weights
+        await asyncio.sleep(1.0)
+        assert "1" not in books.generated_on, "a joining server took a group before it verified its load"
+        books.down.clear()
+        await until(lambda: "1" in books.generated_on, "a model call on server 1", timeout_s=60)
+        result = await finished(handle)
+        status = await handle.query(TrainingRunWorkflow.status)
+    assert "no inference server named '7'" in str(unknown.value.cause)
+    assert "server 0 already serves run" in str(member.value.cause)
+    assert result.steps == 8 and result.groups_failed == 0
+    assert status.joining_servers == [] and status.server_versions["1"] == result.version
+    [(_, first_version, calls_before), *_] = [load for load in books.loads if load[0] == "1"]
+    assert first_version >= joined.version, "it joined on a version at least as new as the run's at the join"
+    assert books.generated_on.index("1") >= calls_before, "no model call on server 1 before its load was verified"
 
 
 async def test_a_server_whose_load_is_refused_goes_on_to_the_version_published_meanwhile(

@@ -231,7 +231,8 @@ def cmd_workers_status(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     from rlpipe.workers.main import main as worker_main
 
-    worker_main([args.kind] + (["--server", args.server] if args.server else []))
+    worker_main([args.kind] + (["--server", args.server] if args.server else [])
+                + (["--url", args.url] if args.url else []))
 
 
 # -- runs ----------------------------------------------------------------------------------------
@@ -357,6 +358,14 @@ def cmd_run_drain(args: argparse.Namespace) -> None:
 
     request = DrainRequest(args.server, move=args.move)
     console.print(run_commands.status_table(_run_call(lambda c: run_commands.drain_server(c, args.run, request))))
+
+
+def cmd_run_join(args: argparse.Namespace) -> None:
+    from rlpipe.cli import run_commands
+    from rlpipe.schemas.payloads import JoinRequest
+
+    request = JoinRequest(args.server)
+    console.print(run_commands.status_table(_run_call(lambda c: run_commands.join_server(c, args.run, request))))
 
 
 def cmd_run_cancel(args: argparse.Namespace) -> None:
@@ -537,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     command(workers, "status", cmd_workers_status, "which workers are running")
     worker = groups.add_parser("worker", help="run one worker in the foreground")
     worker.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar"])
-    worker.add_argument("--server", help="sidecar only: the inference server id")
+    worker.add_argument("--server", help="sidecar only: the inference server's name")
+    worker.add_argument("--url", help="sidecar only: the URL of a server not in INFERENCE_URLS (it registers it)")
     worker.set_defaults(fn=cmd_worker)
 
     run = groups.add_parser("run", help="training runs").add_subparsers(dest="cmd", required=True)
@@ -561,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("run")
     drain.add_argument("server", help="the server's name, as `rlpipe run status` lists it")
     drain.add_argument("--move", action="store_true", help="move its groups in flight to the other servers now")
+    join = command(run, "join", cmd_run_join, "add an inference server to a running run: it loads the current "
+                                              "version and takes groups once that is verified")
+    join.add_argument("run")
+    join.add_argument("server", help="the server's name: configured (INFERENCE_URLS) or registered by its "
+                                     "sidecar (`rlpipe worker sidecar --server NAME --url URL`)")
     command(run, "cancel", cmd_run_cancel, "cancel a run").add_argument("run")
     command(run, "list", cmd_run_list, "runs known to Temporal")
     command(run, "checkpoints", cmd_run_checkpoints, "the run's versions: which keep their bytes and why, which "

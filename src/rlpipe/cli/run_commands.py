@@ -26,7 +26,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from rlpipe.schemas.config import RUN_NAME_PATTERN, RunConfig
-from rlpipe.schemas.payloads import WORKFLOW_QUEUE, DrainRequest, PauseRequest, RunStatus, ScheduleUpdate
+from rlpipe.schemas.payloads import WORKFLOW_QUEUE, DrainRequest, JoinRequest, PauseRequest, RunStatus, ScheduleUpdate
 from rlpipe.workflows.training_run import TrainingRunWorkflow
 
 console = Console()
@@ -146,6 +146,10 @@ async def drain_server(client: Client, run: str, request: DrainRequest) -> RunSt
     return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.drain_server, request))
 
 
+async def join_server(client: Client, run: str, request: JoinRequest) -> RunStatus:
+    return await _update(client, run, lambda handle: handle.execute_update(TrainingRunWorkflow.join_server, request))
+
+
 async def _update(client: Client, run: str,
                   send: Callable[[WorkflowHandle[Any, Any]], Awaitable[RunStatus]]) -> RunStatus:
     """`send` one update to the run's workflow; a rejected or failed update becomes a RunCommandError."""
@@ -186,6 +190,9 @@ def status_table(status: RunStatus) -> Table:
         table.add_row("unavailable servers", ", ".join(status.unavailable_servers) + " (no groups routed to them)")
     if status.draining_servers:
         table.add_row("draining servers", ", ".join(status.draining_servers) + " (their groups finish; nothing new)")
+    if status.joining_servers:
+        table.add_row("joining servers", ", ".join(status.joining_servers) + " (loading the current version; "
+                                                                             "groups once it is verified)")
     if status.left_servers:
         table.add_row("drained servers", ", ".join(status.left_servers) + " (out of the run: safe to stop)")
     if status.groups_rerouted:
