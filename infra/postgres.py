@@ -46,6 +46,11 @@ def _run_as() -> str | None:
     return SYSTEM_USER
 
 
+NETWORK_CLIENTS = "host all all samenet scram-sha-256"
+"""The pg_hba.conf line that admits clients on the subnets the server is directly connected to;
+it matters only when the stack binds to a non-loopback interface (settings `host`)."""
+
+
 class PostgresService(Service):
     name = "postgres"
     stop_signal = signal.SIGINT  # "fast" shutdown: SIGTERM would wait for every client to leave
@@ -74,8 +79,19 @@ class PostgresService(Service):
         return f"postgresql://{self.db_user}@{s.host}:{s.postgres_port}/{s.postgres_db}"
 
     def prepare(self) -> None:
-        if (self.data_dir / "PG_VERSION").exists():
-            return
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._init()
+        self._admit_network_clients()
+
+    def _admit_network_clients(self) -> None:
+        """initdb admits password logins from loopback only; a stack bound to another interface
+        (workers on other hosts) also admits them from the subnets that interface is on."""
+        hba = self.data_dir / "pg_hba.conf"
+        if NETWORK_CLIENTS not in hba.read_text():
+            with hba.open("a") as f:
+                f.write(f"# rlpipe: workers on other hosts of the server's own subnets\n{NETWORK_CLIENTS}\n")
+
+    def _init(self) -> None:
         user = _run_as()
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.data_dir.exists():  # a half-made data dir from an interrupted init

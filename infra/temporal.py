@@ -8,6 +8,7 @@ cluster gets them from `rlpipe temporal prepare` (temporal_cluster.py).
 
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ class TemporalService(Service):
         s = self.settings
         argv = [
             temporal_binary(), "server", "start-dev", "--db-filename", str(self.dir / "temporal.db"),
-            "--ip", s.host, "--port", str(s.temporal_port), "--ui-port", str(s.temporal_ui_port),
+            "--ip", dev_server_ip(s.host), "--port", str(s.temporal_port), "--ui-port", str(s.temporal_ui_port),
             "--http-port", str(s.temporal_http_port), "--metrics-port", str(s.temporal_metrics_port),
             "--log-level", "warn",
         ]
@@ -76,3 +77,15 @@ class TemporalService(Service):
             asyncio.run(probe())
         except Exception as exc:  # noqa: BLE001 - any failure means "not healthy", with its text
             raise HealthError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def dev_server_ip(host: str) -> str:
+    """The address the dev server binds. Its history, matching and worker services listen on
+    `--ip` but dial one another on 127.0.0.1 (the CLI's dev server lists them as static hosts on
+    localhost), so with any other single address they cannot reach each other: bound anywhere but
+    loopback, it binds every interface, and clients still use `host`."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = host == "localhost"
+    return host if loopback else "0.0.0.0"
