@@ -329,10 +329,13 @@ class TrainingRunWorkflow:
         if evaluate and self.config.eval.prompts:
             self.state.evals_due.append(version)
         for server in self.state.servers:
-            if server in self.state.draining:
-                continue  # leaving the run: it loads nothing more
-            if server not in self.syncing or self.syncing[server].done():
-                self.syncing[server] = asyncio.create_task(self._keep_in_sync(server))
+            if server not in self.state.draining:  # a draining server loads nothing more
+                self._start_syncing(server)
+
+    def _start_syncing(self, server: str) -> None:
+        """Start `server`'s catch-up loop unless it is running (it then loads the newest version anyway)."""
+        if server not in self.syncing or self.syncing[server].done():
+            self.syncing[server] = asyncio.create_task(self._keep_in_sync(server))
 
     def _syncing(self) -> bool:
         return any(not task.done() for task in self.syncing.values())
@@ -497,7 +500,7 @@ class TrainingRunWorkflow:
         s.servers.append(server)
         s.joining.append(server)
         s.server_versions.pop(server, None)  # whatever it held before is not verified for this run now
-        self.syncing[server] = asyncio.create_task(self._keep_in_sync(server))
+        self._start_syncing(server)
         return self.status()
 
     @join_server.validator

@@ -18,7 +18,7 @@ class UnknownServer(LookupError):
 
 
 class ServerDirectory:
-    def __init__(self, configured: dict[str, str], db: Database | None = None) -> None:
+    def __init__(self, configured: dict[str, str], db: Database) -> None:
         self.configured = configured
         """Name -> URL given to this worker; these names win over registered ones."""
         self.db = db
@@ -37,12 +37,8 @@ class ServerDirectory:
         return self._registered[name]
 
     async def _refresh(self) -> None:
-        if self.db is None:
-            return
-        db = self.db
-
         def read() -> dict[str, str]:
-            with db.begin() as s:
+            with self.db.begin() as s:
                 return registered_servers(s)
 
         self._registered = await asyncio.to_thread(read)
