@@ -33,6 +33,11 @@ class Finding:
     detail: str
 
 
+TOO_NEW = Finding("search attributes", False, "the namespace is too new for the cluster's other services: "
+                                              "run this again in a minute")
+"""A namespace the frontend knows and the services behind it do not yet (their caches refresh)."""
+
+
 async def prepare_cluster(client: Client, namespace: str) -> list[Finding]:
     """Check that `namespace` exists and holds every search attribute a run uses, registering the
     missing ones where allowed. Idempotent: a prepared namespace comes back all "already" ok."""
@@ -49,9 +54,8 @@ async def prepare_cluster(client: Client, namespace: str) -> list[Finding]:
     try:
         listed = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
     except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:  # the frontend knows it, its other services' caches not yet
-            return [*findings, Finding("search attributes", False, "the namespace is too new for the cluster's "
-                                                                   "other services: run this again in a minute")]
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return [*findings, TOO_NEW]
         return [*findings, Finding("search attributes", False, f"cannot be listed ({exc.status.name}: {exc.message}); "
                                                                f"{_by_hand(namespace, SEARCH_ATTRIBUTES)}")]
     registered = dict(listed.custom_attributes)
@@ -74,6 +78,8 @@ async def _register(client: Client, namespace: str, missing: dict[str, str]) -> 
     try:
         await client.operator_service.add_search_attributes(request)
     except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:  # listed, then "not found": seen on a loaded dev server
+            return [TOO_NEW]
         why = "not allowed for this identity" if exc.status in REFUSED else "refused"
         detail = (f"missing, and registering it was {why} ({exc.status.name}: {exc.message}); "
                   f"{_by_hand(namespace, missing)}")

@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,6 +124,22 @@ def migrated_db(endpoints: Endpoints):  # type: ignore[no-untyped-def]
     db.dispose()
 
 
+@pytest.fixture
+def empty_database(endpoints):  # type: ignore[no-untyped-def]
+    """The URL of a database of its own on the session's Postgres, with no tables: before migrations."""
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(endpoints.database_url, isolation_level="AUTOCOMMIT")
+    name = f"mig_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'create database "{name}"')
+    url = sa.engine.make_url(endpoints.database_url).set(database=name)
+    yield url.render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'drop database "{name}" with (force)')
+    admin.dispose()
+
+
 @pytest.fixture(scope="session")
 def object_store(endpoints: Endpoints):  # type: ignore[no-untyped-def]
     from rlpipe.storage.object_store import ObjectStore
@@ -230,8 +247,9 @@ def spare_server(spare_server_settings: StackSettings) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def pipeline_workers(stack: Stack, inference_servers: list[str]):  # type: ignore[no-untyped-def]
-    """The real worker processes (rollout, sandbox, grader, trainer, sync sidecar) on the stack."""
+def pipeline_workers(stack: Stack, inference_servers: list[str], migrated_db):  # type: ignore[no-untyped-def]
+    """The real worker processes (rollout, sandbox, grader, trainer, sync sidecar) on the stack, started
+    on a migrated database, as `rlpipe stack up` leaves it."""
     from rlpipe.workers.launcher import WorkerSet
 
     workers = WorkerSet(stack.settings)

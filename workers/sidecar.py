@@ -17,12 +17,12 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from rlpipe.activities.sync import SyncActivities
+from rlpipe.inference.directory import announce
 from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.infra.settings import load_settings, named_urls
 from rlpipe.schemas.payloads import ServerState, sync_queue
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
-from rlpipe.storage.servers import register_server
 from rlpipe.storage.syncs import run_workflow_id
 from rlpipe.weights.sidecar import Sidecar, StateListener
 from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, server_urls, setup_logging, start_metrics
@@ -48,7 +48,6 @@ async def run_sidecar_worker(server: str, url: str | None = None) -> None:
     client = await connect(ep, start_metrics(f"sidecar-{server}", "sidecar", ("sync",), server),
                            wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
-    await asyncio.to_thread(_register, db, server, urls[server])
     shared = os.environ.get(SHARED_CHECKPOINTS_ENV)
     sidecar = Sidecar(db, ObjectStore.from_endpoints(ep), server, urls[server],
                       load_settings().home.resolve() / f"sidecar-{server}", model_name=SERVED_MODEL_NAME,
@@ -57,13 +56,7 @@ async def run_sidecar_worker(server: str, url: str | None = None) -> None:
                       on_state=_signal_run(client, db, server))
     worker = Worker(client, task_queue=sync_queue(server), activities=[SyncActivities(db, sidecar).sync_weights])
     log.info("serving %s for %s (checkpoints from %s)", sync_queue(server), urls[server], shared or "S3")
-    await asyncio.gather(worker.run(), sidecar.watch())
-
-
-def _register(db: Database, server: str, url: str) -> None:
-    """Tell the workers where this server is: those started without it find it by name (a join)."""
-    with db.begin() as s:
-        register_server(s, server, url)
+    await asyncio.gather(worker.run(), sidecar.watch(), announce(db, server, urls[server]))
 
 
 def _signal_run(client: Client, db: Database, server: str) -> StateListener:

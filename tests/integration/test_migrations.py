@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import sqlalchemy as sa
 from alembic import command
@@ -15,19 +13,6 @@ from rlpipe.schemas.tables import Base
 pytestmark = pytest.mark.stack
 
 VIEWS = {"v_trajectory_lineage", "v_version_lag", "v_failures"}
-
-
-@pytest.fixture
-def empty_database(endpoints):  # type: ignore[no-untyped-def]
-    admin = sa.create_engine(endpoints.database_url, isolation_level="AUTOCOMMIT")
-    name = f"mig_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'create database "{name}"')
-    url = sa.engine.make_url(endpoints.database_url).set(database=name)
-    yield url.render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'drop database "{name}" with (force)')
-    admin.dispose()
 
 
 def schema_objects(url: str) -> tuple[set[str], set[str]]:

@@ -21,7 +21,7 @@ from rlpipe.infra.settings import load_settings
 from rlpipe.infra.stack import Stack
 from rlpipe.infra.temporal import SEARCH_ATTRIBUTES
 from rlpipe.infra.temporal_client import TemporalUnreachable, connect_temporal, temporal_connection
-from rlpipe.infra.temporal_cluster import prepare_cluster
+from rlpipe.infra.temporal_cluster import TOO_NEW, prepare_cluster
 from tests.security.tls_proxy import Authority, Issued, server_context, tls_proxy
 
 pytestmark = pytest.mark.stack
@@ -89,7 +89,9 @@ async def test_tls_connection_prepares_a_namespace_idempotently(tls_address: str
     await client.workflow_service.register_namespace(
         RegisterNamespaceRequest(namespace=namespace, workflow_execution_retention_period=retention))
     first = await prepare_cluster(client, namespace)
-    while "too new" in first[-1].detail:  # the dev server's services learn of a new namespace within seconds
+    for _ in range(60):  # the dev server's services learn of a new namespace within seconds
+        if TOO_NEW not in first:
+            break
         await asyncio.sleep(1.0)
         first = await prepare_cluster(client, namespace)
     assert all(f.ok for f in first), first

@@ -8,9 +8,14 @@ started registered itself there through its sidecar (storage/servers.py).
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import sqlalchemy as sa
 
 from rlpipe.storage.db import Database
-from rlpipe.storage.servers import registered_servers
+from rlpipe.storage.servers import register_server, registered_servers
+
+log = logging.getLogger(__name__)
 
 
 class UnknownServer(LookupError):
@@ -42,3 +47,19 @@ class ServerDirectory:
                 return registered_servers(s)
 
         self._registered = await asyncio.to_thread(read)
+
+
+async def announce(db: Database, name: str, url: str, every_s: float = 2.0) -> None:
+    """Register server `name` at `url` for the workers that do not know it (its sidecar does this
+    at start), retrying while the database is down or not yet migrated."""
+
+    def register() -> None:
+        with db.begin() as s:
+            register_server(s, name, url)
+
+    while True:
+        try:
+            return await asyncio.to_thread(register)
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("cannot register server %s at %s yet (retrying in %.0f s): %s", name, url, every_s, exc)
+        await asyncio.sleep(every_s)
