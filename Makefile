@@ -71,6 +71,7 @@ chromium:
 bench: venv $(TRL_STAMP)
 	$(BIN)/python -m benchmarks.async_vs_sync
 	$(BIN)/python -m benchmarks.trainer_efficiency
+	$(BIN)/python -m benchmarks.sharded_trainer
 	$(BIN)/python -m benchmarks.orchestration
 	$(BIN)/python -m benchmarks.weight_sync
 	$(BIN)/python -m benchmarks.graders

@@ -264,12 +264,38 @@ def trl_section(d: dict[str, Any]) -> str:
                "trainer step (rlpipe)", "completion tokens / sample", "reward / sample"], rows)])
 
 
+def sharded_section(d: dict[str, Any]) -> str:
+    """Memory per rank and step time at world size 1 and 2; the same arithmetic for 7B and 70B."""
+    p, m, r = d["params"], d["measured"], d["ratios"]
+    gib = 2**30
+    rows = [[w, f"{x['model_state_bytes'] / gib:.2f} GiB", f"{x['peak_rss_bytes'] / gib:.2f} GiB",
+             fmt(x["step_s"], 2, " s"), f"{x['gather_full_weights_s']:.2f} s"] for w, x in m.items()]
+    rows.append(["2 ÷ 1", f"{r['model_state_per_rank_2_over_1']:.2f}", f"{r['peak_rss_per_rank_2_over_1']:.2f}",
+                 f"{r['step_time_2_over_1']:.2f}", "–"])
+    large = [[name, f"{x['params'] / 1e9:.2f} B", f"{x['replicated_gib']:.0f} GiB",
+              *(f"{x['sharded_gib'][str(n)]:.1f} GiB" for n in (8, 16, 64)), f"{x['largest_gathered_gib']:.2f} GiB"]
+             for name, x in d["large_models"].items()]
+    return "\n".join([
+        header(d), f"{p['model']}, {p['sequences']} sequences × {p['tokens_per_sequence']} tokens per step, fp32, AdamW; "
+        f"each world size in a process of its own, {p['steps']} timed steps after a warm-up. Model state: the "
+        "parameters a rank holds × 4 (its gradients and AdamW's two moments are sharded like them). Peak RSS "
+        "includes Python, torch and transformers and the step's activations. World 2 runs two ranks on this "
+        "machine's two cores, so its step time says what lockstep collectives cost here, not what a second "
+        "GPU buys.\n",
+        table(["world size", "model state per rank", "peak RSS per rank", "step", "gather the full weights"], rows),
+        "", "fp32 parameters + gradients + AdamW state per rank (16 bytes per parameter), computed from the models' "
+        "configs; the last column is the largest unit gathered whole while it runs (weights and gradient):", "",
+        table(["model", "parameters", "replicated (every rank)", "8 ranks", "16 ranks", "64 ranks",
+               "largest gathered unit"], large)])
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ("1. Async vs the synchronous baseline", "async_vs_sync", async_section),
     ("2. Orchestration overhead: Temporal vs bare asyncio", "orchestration", orchestration_section),
     ("3. Weight sync end to end vs the raw byte copy", "weight_sync", weight_sync_section),
     ("4. Trainer efficiency", "trainer_efficiency", trainer_section),
     ("4b. Trainer efficiency, SmolLM2-135M", "trainer_efficiency_smollm2", trainer_section),
+    ("4c. Sharded trainer: memory per rank and step time", "sharded_trainer", sharded_section),
     ("5. Grader throughput", "graders", graders_section),
     ("6. Peer comparison: TRL GRPOTrainer", "trl_grpo", trl_section),
 ]

@@ -212,7 +212,8 @@ class BatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     world_size: int = Field(1, ge=1)
-    """Data-parallel ranks; each gets whole groups where there are at least as many groups."""
+    """Data-parallel ranks (FSDP2: each holds 1/world_size of the weights, gradients and optimizer
+    state); each gets whole groups where there are at least as many groups."""
     split: MicroBatchSplit = "count"
     """count: each rank's shard is cut into `micro_batches` pieces of near-equal size; tokens:
     sequences are packed into micro-batches of at most `micro_batch_tokens` padded tokens."""

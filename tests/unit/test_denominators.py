@@ -387,7 +387,7 @@ def test_the_proximal_policy_is_recorded_once_before_the_first_update(
     weights from before the first update, not at the weights each pass starts from."""
     loss = LossConfig(off_policy="decoupled", clip_high=0.28)
     (plan,) = plan_updates(samples, advantage=ADVANTAGE, loss=loss, batch=BatchConfig(), pad_token_id=0, dtype=F64)
-    recorded = with_proximal_logprobs(policy, plan.shards[0], loss.temperature)
+    recorded = with_proximal_logprobs(policy, plan.shards[0], loss)
     with torch.no_grad():
         before, _ = completion_logprobs(policy, plan.shards[0][0])
     assert torch.equal(recorded[0].proximal_logprobs, before)

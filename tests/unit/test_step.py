@@ -185,16 +185,30 @@ def test_make_optimizer_reads_the_config() -> None:
     assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-6, (0.9, 0.95), 0.01)
 
 
+class FailsOnRankOne(torch.nn.Module):
+    """A tiny Llama whose forward raises on rank 1 only, after its weights were gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = LlamaForCausalLM._from_config(TINY, dtype=F64)
+
+    def forward(self, **kwargs: torch.Tensor) -> object:
+        out = self.model(**kwargs)
+        if torch.distributed.get_rank() == 1:
+            raise RuntimeError("rank 1 broke in its forward pass")
+        return out
+
+
 def test_a_failing_rank_raises_in_the_caller_instead_of_hanging() -> None:
-    """Rank 0 has no data and goes straight to the gradient all-reduce; rank 1 fails in its
-    forward pass (a Linear layer is no causal LM) and never joins. The caller must get rank 1's
-    traceback and rank 0 must be stopped, rather than both waiting forever."""
+    """Rank 1 fails in its forward pass and never joins the gradient reduction that rank 0 waits in
+    (rank 0 has no data: it runs a filler in lockstep). The caller must get rank 1's traceback and
+    rank 0 must be stopped, rather than both waiting forever."""
     samples = draft_samples()
     stats = global_stats(samples, world_size=2)
     shards = [[collate([], stats, pad_token_id=0)], [collate(samples, stats, pad_token_id=0)]]
-    group = DataParallelGroup(2, functools.partial(torch.nn.Linear, 4, 4), functools.partial(torch.optim.SGD, lr=0.1),
-                              timeout_s=60)
-    with group, pytest.raises(RuntimeError, match="(?s)rank 1 failed.*input_ids"):
+    group = DataParallelGroup(2, FailsOnRankOne, functools.partial(torch.optim.SGD, lr=0.1), timeout_s=60)
+    with group, pytest.raises(RuntimeError, match="(?s)rank 1 failed.*broke in its forward"):
         group.step(shards, LossConfig(), grad_clip=None)
     assert not any(p.is_alive() for p in group._procs)
     with pytest.raises(ValueError, match="2 shards"):

@@ -61,7 +61,7 @@ class GlobalStats:
     num_loss_tokens: int        # model tokens (loss_mask 1) in the global batch
     num_sequences: int          # sequences with at least one loss token in the global batch
     max_completion_tokens: int  # constant_normalizer's L: configured, or longest completion in the batch
-    world_size: int = 1         # gradient all-reduce averages over this many ranks
+    world_size: int = 1         # the gradient reduce-scatter averages over this many ranks
 
 
 @dataclass(frozen=True)
@@ -122,3 +122,17 @@ def collate(
         sampler_logprobs[i, :c] = torch.where(loss_mask[i, :c] > 0, logprobs, 0.0)  # tool tokens may be -inf
     advantages = torch.tensor([s.advantage for s in samples], dtype=dtype)  # (N,)
     return TrainBatch(input_ids, attention_mask, completion_index, loss_mask, sampler_logprobs, advantages, stats)
+
+
+def filler_batch(stats: GlobalStats, dtype: torch.dtype = torch.float32) -> TrainBatch:
+    """A one-row micro-batch that weighs nothing (loss mask 0): what a rank without data of its own
+    forwards when sharded ranks must run their passes in lockstep (rl/distributed.py)."""
+    return TrainBatch(
+        input_ids=torch.zeros((1, 2), dtype=torch.long),          # token 0 exists in every vocabulary
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        completion_index=torch.ones((1, 1), dtype=torch.long),
+        loss_mask=torch.zeros((1, 1), dtype=dtype),
+        sampler_logprobs=torch.zeros((1, 1), dtype=dtype),
+        advantages=torch.zeros(1, dtype=dtype),
+        stats=stats,
+    )

@@ -1,26 +1,35 @@
-"""Data-parallel optimisation steps over torch.distributed (gloo on CPU, NCCL when CUDA is present).
+"""Data-parallel optimisation steps on FSDP2 shards over torch.distributed (gloo on CPU, NCCL when
+CUDA is present).
 
 `DataParallelGroup` starts `world_size` rank processes once. Each builds its model, optimizer and
-optional reference model from the picklable factories it is given; rank 0's weights are broadcast
-so the replicas start identical. The trainer worker then drives it:
+optional reference model from the picklable factories it is given, makes its weights equal to rank
+0's, and shards them with `fully_shard` (each decoder layer, then the whole model: the embedding and
+output layer): a rank holds 1/world_size of the parameters, gradients and AdamW state. The trainer
+worker then drives it:
 
     with DataParallelGroup(2, model_fn, optimizer_fn) as group:
         plan = plan_step(samples, advantage=..., loss=..., batch=BatchConfig(world_size=2), pad_token_id=0)
         metrics = group.step(plan.shards, loss_cfg, grad_clip=1.0, seed=7)  # rank 0's metrics
-        weights = group.state_dict()                                 # rank 0's weights, to checkpoint
-        state = group.optimizer_state_dict()                         # rank 0's optimizer, to checkpoint
-        group.load_optimizer_state_dict(state)                       # a restore: into every replica
-        probe = group.call(fn)                                       # fn(model) on rank 0
+        weights = group.state_dict()                                 # the full weights, to checkpoint
+        state = group.optimizer_state_dict()                         # the full optimizer state, to checkpoint
+        group.load_optimizer_state_dict(state)                       # a restore: sharded over the ranks
+        probe = group.call(fn)                                       # fn(model) on every rank; rank 0's answer
 
-In a step every rank accumulates the gradients of its own shard (rl/step.py), the gradients are
-all-reduced and divided by world_size (what DDP does; each loss share carries x world_size, see
-rl/losses.py, so the average is exactly the full-batch gradient), the metric totals are all-reduced,
-and every rank clips and steps the same averaged gradients, so the replicas -- weights AND
-optimizer state -- stay identical; rank 0's copies therefore stand for the whole group, and a
-checkpoint of them restores any world size. A step given a seed reseeds rank r's torch generator
-with seed * world_size + r first, so a replayed step draws the same random numbers.
-A failure on any rank closes the group and raises in the caller with that rank's traceback.
-With NCCL, rank r uses cuda:r, so world_size must not exceed the visible GPUs.
+In a step every rank runs forward and backward over its own micro-batches (rl/step.py); FSDP
+gathers each layer's weights for its passes and reduce-scatters its gradients afterwards, averaged
+over the ranks (each loss share carries x world_size, see rl/losses.py, so the average is exactly
+the full-batch gradient). The metric totals are all-reduced, and every rank clips by the global
+norm and steps its shard. Because each pass is a collective, every rank must run the same passes:
+shards get as many micro-batches as the longest (empty ones added), a rank forwards a zero-loss
+filler for each empty micro-batch, and `call` runs on every rank.
+
+The full state (the weights a checkpoint publishes, the optimizer state recovery stores) is
+gathered onto rank 0 in the single-process format: the optimizer state keyed by parameter index,
+as `optimizer.state_dict()` is, so a checkpoint restores at any world size.
+A step given a seed reseeds rank r's torch generator with seed * world_size + r first, so a
+replayed step draws the same random numbers. A failure on any rank closes the group and raises
+in the caller with that rank's traceback. With NCCL, rank r uses cuda:r, so world_size must not
+exceed the visible GPUs.
 
 Ranks are forked from a fork server (torch.multiprocessing 'forkserver'), not spawned: the server
 is started by the first group of a process and imports torch, this module and the group's
@@ -44,8 +53,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 
-from rlpipe.rl.batch import TrainBatch
+from rlpipe.rl.batch import TrainBatch, collate
 from rlpipe.rl.step import (
     MetricTotals,
     accumulate_gradients,
@@ -58,9 +75,6 @@ ModelFn = Callable[[], nn.Module]
 """Builds a model on CPU, e.g. functools.partial(LlamaForCausalLM.from_pretrained, path); must pickle."""
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 """Builds the optimizer over the given parameters, e.g. functools.partial(make_optimizer, cfg=optim)."""
-
-BUCKET_NUMEL = 1 << 24  # gradients are all-reduced in flat buckets of at most this many elements
-
 
 @dataclass(frozen=True)
 class _Command:
@@ -82,37 +96,6 @@ def cpu_copy(tree: Any) -> Any:
     return tree
 
 
-def average_gradients(model: nn.Module, world_size: int, device: torch.device) -> None:
-    """All-reduce (sum) every gradient, then divide by world_size: DDP's averaging after backward.
-    A rank that saw no data contributes zeros."""
-    grads: list[Tensor] = []
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-    for bucket in _buckets(grads):
-        flat = torch.cat([g.reshape(-1) for g in bucket]).to(device)   # (sum of numel,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= world_size
-        for grad, averaged in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
-            grad.copy_(averaged.view_as(grad))
-
-
-def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:
-    """Consecutive gradients of one dtype, at most BUCKET_NUMEL elements per bucket (or one gradient)."""
-    buckets: list[list[Tensor]] = []
-    size = 0
-    for g in grads:
-        if buckets and buckets[-1][0].dtype == g.dtype and size + g.numel() <= BUCKET_NUMEL:
-            buckets[-1].append(g)
-            size += g.numel()
-        else:
-            buckets.append([g])
-            size = g.numel()
-    return buckets
-
-
 def reduce_totals(totals: MetricTotals, device: torch.device) -> None:
     """All-reduce a step's metric totals in place: sums add, maxima take the max, minima the min."""
     ops = ((totals.sums, dist.ReduceOp.SUM), (totals.maxes, dist.ReduceOp.MAX), (totals.mins, dist.ReduceOp.MIN))
@@ -130,10 +113,38 @@ def _broadcast_module(module: nn.Module) -> None:
             dist.broadcast(t, src=0)
 
 
+def shard(model: nn.Module) -> None:
+    """FSDP2 in place: each decoder layer its own unit (gathered for its passes, then freed), then
+    the whole model (the embedding, final norm and output layer, kept gathered from forward to
+    backward)."""
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Whole tensors, gathered onto rank 0's CPU (the other ranks get empty dicts)."""
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A single-process optimizer state (keyed by parameter index) keyed by parameter name, as
+    torch.distributed's state-dict functions take it; `names` in the order of `model.parameters()`."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_index(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of `optimizer_state_by_name`: the format `optimizer.state_dict()` has."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
 @dataclass
 class _Replica:
-    """One rank's model, optimizer and optional frozen reference; each method serves one command
-    kind and returns rank 0's answer (other ranks return None: the replicas are identical)."""
+    """One rank's shards of the model, its optimizer and the optional frozen reference; each method
+    serves one command kind and returns rank 0's answer (other ranks return None). Every rank runs
+    every command: their collectives need all ranks."""
 
     rank: int
     world_size: int
@@ -147,44 +158,48 @@ class _Replica:
         updates, cfg, epochs, grad_clip, seed = payload
         if seed is not None:
             torch.manual_seed(seed * self.world_size + self.rank)   # distinct per rank, same on replay
-        metrics = run_epochs(self.model, updates, cfg, epochs, lambda shard: self._update(shard, cfg, grad_clip))
-        return self._rank0(lambda: metrics)
+        metrics = run_epochs(self.model, updates, cfg, epochs, lambda shard: self._update(shard, cfg, grad_clip),
+                             lockstep=True)
+        return self._rank0(metrics)
 
     def _update(self, shard: Sequence[TrainBatch], cfg: LossConfig, grad_clip: float | None) -> dict[str, float]:
         self.model.zero_grad(set_to_none=True)
-        totals = accumulate_gradients(self.model, shard, cfg, self.ref_model)   # this rank's shares, summed
-        average_gradients(self.model, self.world_size, self.device)            # / world_size, as DDP
+        totals = accumulate_gradients(self.model, shard, cfg, self.ref_model, lockstep=True)  # reduce-scattered
         reduce_totals(totals, self.device)
-        grad_norm = apply_gradients(self.model, self.optimizer, grad_clip)     # same gradients on every rank
+        grad_norm = apply_gradients(self.model, self.optimizer, grad_clip)   # by the global norm, on every rank
         return totals.summary(shard[0].stats, grad_norm)
 
     def state_dict(self, _: None) -> Any:
-        return self._rank0(lambda: cpu_copy(self.model.state_dict()))
+        return self._rank0(get_model_state_dict(self.model, options=FULL))
 
     def optimizer_state_dict(self, _: None) -> Any:
-        return self._rank0(lambda: cpu_copy(self.optimizer.state_dict()))
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+        return self._rank0(optimizer_state_by_index(state, self._names()) if self.rank == 0 else None)
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        self.model.load_state_dict(state)
+        # private copies: tensors sent through the queues live in shared memory that every rank maps,
+        # and the loader writes its shards into the dict it is given
+        set_model_state_dict(self.model, cpu_copy(state), options=StateDictOptions(full_state_dict=True))
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        # Private copies: tensors sent through the queues live in shared memory that EVERY rank maps,
-        # and load_state_dict keeps them as they are when dtype and device already match, so the
-        # ranks' in-place Adam updates would all land in one tensor.
-        self.optimizer.load_state_dict(cpu_copy(state))
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state_by_name(cpu_copy(state), self._names()),
+                                 options=StateDictOptions(full_state_dict=True))
 
     def call(self, fn: Callable[[nn.Module], Any]) -> Any:
-        return self._rank0(lambda: fn(self.model))
+        return self._rank0(fn(self.model))
 
-    def _rank0(self, answer: Callable[[], Any]) -> Any:
-        return answer() if self.rank == 0 else None
+    def _names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
+    def _rank0(self, answer: Any) -> Any:
+        return answer if self.rank == 0 else None
 
 
 def _build_replica(
     rank: int, world_size: int, init_file: str, model_fn: ModelFn, optimizer_fn: OptimizerFn,
     ref_model_fn: ModelFn | None, timeout_s: float,
 ) -> _Replica:
-    """Join the process group, build the replica and make its weights equal to rank 0's."""
+    """Join the process group, build the model, make its weights equal to rank 0's and shard it."""
     use_cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
     if use_cuda:
@@ -197,11 +212,13 @@ def _build_replica(
     )
     model = model_fn().to(device)
     _broadcast_module(model)
-    optimizer = optimizer_fn(model.parameters())
+    shard(model)
+    optimizer = optimizer_fn(model.parameters())   # over the shards: each rank steps its own
     ref_model = ref_model_fn().to(device) if ref_model_fn is not None else None
     if ref_model is not None:
         ref_model.requires_grad_(False)
         _broadcast_module(ref_model)
+        shard(ref_model)
     return _Replica(rank, world_size, device, model, optimizer, ref_model)
 
 
@@ -242,8 +259,14 @@ def _next_command(inbox: "mp.Queue[_Command]", parent: int) -> _Command:
                 return _Command("close")
 
 
+def _same_length(shards: Sequence[Sequence[TrainBatch]]) -> list[list[TrainBatch]]:
+    """Each rank's micro-batches, padded with empty ones to the longest rank's count (lockstep)."""
+    longest = max(len(s) for s in shards)
+    return [[*s, *[collate([], s[0].stats, pad_token_id=0)] * (longest - len(s))] for s in shards]
+
+
 class DataParallelGroup:
-    """`world_size` persistent rank processes holding replicas of one model (see the module docstring)."""
+    """`world_size` persistent rank processes holding the shards of one model (see the module docstring)."""
 
     def __init__(
         self,
@@ -300,30 +323,32 @@ class DataParallelGroup:
             if any(mb.stats.world_size != self.world_size for s in shards for mb in s):
                 raise ValueError(f"the micro-batches were planned for another world size: plan with "
                                  f"batch.world_size={self.world_size}")
+        updates = [_same_length(shards) for shards in updates]
         for rank in range(self.world_size):
             mine = [list(shards[rank]) for shards in updates]
             self._inboxes[rank].put(_Command("train", (mine, cfg, epochs, grad_clip, seed)))
         return cast(dict[str, float], self._collect())  # the answers come through a queue, untyped
 
     def state_dict(self) -> dict[str, Tensor]:
-        """A CPU copy of rank 0's model weights (all replicas hold the same)."""
+        """The full model weights, gathered onto the CPU."""
         return cast(dict[str, Tensor], self._broadcast(_Command("state_dict")))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """A CPU copy of rank 0's optimizer state (all replicas hold the same)."""
+        """The full optimizer state, gathered onto the CPU, keyed by parameter index (as `optimizer.state_dict()`)."""
         return cast(dict[str, Any], self._broadcast(_Command("optimizer_state_dict")))
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Load the same weights into every replica (the optimizer state is kept)."""
+        """Load full weights, each rank keeping its shard (the optimizer state is kept)."""
         self._broadcast(_Command("load_state_dict", state))
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        """Load the same optimizer state into every replica (e.g. from a checkpoint)."""
+        """Load a full optimizer state (`optimizer_state_dict`'s format, e.g. from a checkpoint), sharded."""
         self._broadcast(_Command("load_optimizer_state_dict", state))
 
     def call(self, fn: Callable[[nn.Module], Any]) -> Any:
-        """fn(model) on rank 0's replica, e.g. an evaluation of the live weights; `fn` must pickle
-        (a module-level function or a functools.partial of one) and should not change the model."""
+        """fn(model) on every rank (the sharded model's passes need them all); rank 0's answer, e.g. an
+        evaluation of the live weights. `fn` must pickle (a module-level function or a functools.partial
+        of one), should not change the model, and must run the same passes on every rank."""
         return self._broadcast(_Command("call", fn))
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ micro-batch). Each denominator it needs -- loss tokens, sequences, the constant 
 max completion length -- is counted once over the global batch before the split
 (`batching.global_stats`) and travels with every micro-batch as `GlobalStats`. A micro-batch
 returns a partial SUM divided by that global denominator and multiplied by `world_size`, because
-the gradient all-reduce averages over ranks (DDP semantics). Summing the micro-batch gradients on
+the gradient reduction averages over ranks (DDP's and FSDP's semantics). Summing the micro-batch gradients on
 a rank and averaging over ranks then gives exactly the single-process full-batch gradient, for any
 split. A per-micro-batch or per-rank count instead (TRL's 'bnpo') weights each token by the size
 of the micro-batch it happened to land in. Per-sequence quantities (seq_mean_token_mean's token
@@ -182,7 +182,7 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: Aggregation, stats: Globa
         # constant_normalizer: sum / (sequences of the global batch * max_completion_tokens)
         #                                                                        (Dr. GRPO, TRL 'dr_grpo')
         share = masked.sum() / max(stats.num_sequences * stats.max_completion_tokens, 1)
-    return share * stats.world_size  # the gradient all-reduce divides by world_size (DDP averaging)
+    return share * stats.world_size  # the gradient reduction divides by world_size (DDP/FSDP averaging)
 
 
 def off_policy_terms(

@@ -5,7 +5,7 @@ attention_mask=...).logits`, e.g. a transformers `LlamaForCausalLM`), the optimi
 micro-batches from `batching.plan_step`; nothing here touches a database or Temporal.
 
     totals = accumulate_gradients(model, micro_batches, loss_cfg)   # forward + backward, per micro-batch
-    (data parallel: all-reduce gradients and totals here; rl/distributed.py)
+    (data parallel: FSDP reduce-scatters the gradients in backward; all-reduce the totals here, rl/distributed.py)
     grad_norm = apply_gradients(model, optimizer, grad_clip)         # clip, step, zero
     metrics = totals.summary(stats, grad_norm)
 
@@ -23,10 +23,11 @@ from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from rlpipe.rl.batch import GlobalStats, TrainBatch
+from rlpipe.rl.batch import GlobalStats, TrainBatch, filler_batch
 from rlpipe.rl.losses import EXTREME_METRICS, SUM_METRICS, LossInputs, LossOutput, compute_loss
 from rlpipe.schemas.algorithm import LossConfig, OptimConfig
 
@@ -69,11 +70,8 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, entropy_
     return logprobs, entropy
 
 
-class DecoderAndHead(Protocol):
-    """A transformers causal LM seen as its two halves: the decoder (ids -> hidden states) and the
-    output layer (hidden states -> vocabulary logits)."""
-
-    def get_decoder(self) -> nn.Module: ...
+class WithOutputLayer(Protocol):
+    """A transformers causal LM whose output layer (hidden states -> vocabulary logits) can be called alone."""
 
     def get_output_embeddings(self) -> nn.Module: ...
 
@@ -87,7 +85,11 @@ def chunked_completion_logprobs(model: nn.Module, batch: TrainBatch, targets: Te
     """`completion_logprobs` without the (N, T, V) logits: the decoder's hidden states of the
     predicting columns go through the output layer `chunk_tokens` rows at a time, each chunk
     recomputed in the backward pass (activation checkpointing) instead of kept, so at most one
-    chunk's (chunk_tokens, V) logits are alive at once."""
+    chunk's (chunk_tokens, V) logits are alive at once.
+
+    The hidden states come from a call of the whole model (its logits for the last column only),
+    not of its decoder alone: a sharded model gathers its outer weights (embedding, output layer)
+    in that call's hooks, and reduces their gradients after it."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"loss.logit_chunk_tokens needs a transformers model (its decoder and output layer apart), "
                         f"not {type(model).__name__}")
@@ -95,11 +97,11 @@ def chunked_completion_logprobs(model: nn.Module, batch: TrainBatch, targets: Te
     if scaled:
         raise ValueError(f"loss.logit_chunk_tokens: this model's logits are scaled ({', '.join(scaled)}), which "
                          "the chunked path does not reproduce; set logit_chunk_tokens to None")
-    split = cast(DecoderAndHead, model)
-    hidden = split.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
+                   logits_to_keep=1).hidden_states[-1]                                   # (N, T, H) after the norm
     predictor = (batch.completion_index - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (N, L, H)
     rows = hidden.gather(1, predictor).flatten(0, 1)                                    # (N*L, H)
-    head = split.get_output_embeddings()
+    head = cast(WithOutputLayer, model).get_output_embeddings()
 
     def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         return token_logprobs(head(h), t, temperature, entropy_grad)                     # (c,) x 2
@@ -171,20 +173,24 @@ def _filled(keys: Sequence[str], value: float) -> dict[str, Tensor]:
 
 
 def accumulate_gradients(
-    model: nn.Module, micro_batches: Sequence[TrainBatch], cfg: LossConfig, ref_model: nn.Module | None = None
+    model: nn.Module, micro_batches: Sequence[TrainBatch], cfg: LossConfig, ref_model: nn.Module | None = None,
+    *, lockstep: bool = False,
 ) -> MetricTotals:
     """Forward and backward over each micro-batch, summing gradients into `.grad`; no optimiser step.
 
     Each micro-batch's loss is already its share of the global mean (rl/losses.py), so the summed
-    gradients need no further division by the number of micro-batches.
+    gradients need no further division by the number of micro-batches. `lockstep` (sharded ranks,
+    which must all run every pass): an empty micro-batch runs the passes of a `filler_batch`.
     """
     if cfg.kl_coef > 0 and ref_model is None:
         raise ValueError("loss.kl_coef > 0 needs a reference model: pass ref_model or set kl_coef=0")
     device = next(model.parameters()).device
     totals = MetricTotals()
     for mb in micro_batches:
-        if mb.num_sequences == 0:
-            continue  # HF models cannot forward zero rows; an empty micro-batch adds nothing
+        if mb.num_sequences == 0:  # HF models cannot forward zero rows; an empty micro-batch adds nothing
+            if lockstep:
+                _filler_passes(model, mb.stats, cfg, ref_model, device)
+            continue
         mb = mb.to(device)
         logprobs, entropy = completion_logprobs(model, mb, cfg.temperature,              # (N, L) x 2
                                                 entropy_grad=cfg.entropy_coef > 0, chunk_tokens=cfg.logit_chunk_tokens)
@@ -209,13 +215,29 @@ def accumulate_gradients(
     return totals
 
 
+def _filler_passes(model: nn.Module, stats: GlobalStats, cfg: LossConfig, ref_model: nn.Module | None,
+                   device: torch.device) -> None:
+    """The passes of a micro-batch (policy, reference, backward) on a `filler_batch`, whose zero
+    loss adds nothing to any gradient; without grad mode, the policy's forward only."""
+    mb = filler_batch(stats).to(device)
+    logprobs, _ = completion_logprobs(model, mb, cfg.temperature, entropy_grad=False,
+                                      chunk_tokens=cfg.logit_chunk_tokens)
+    if not torch.is_grad_enabled():
+        return
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            completion_logprobs(ref_model, mb, cfg.temperature, chunk_tokens=cfg.logit_chunk_tokens)
+    (logprobs.sum() * 0.0).backward()
+
+
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None) -> float:
-    """Clip the global gradient norm (None: no clip), step, zero the gradients; returns the norm before clipping."""
+    """Clip the global gradient norm (None: no clip), step, zero the gradients; returns the norm before clipping.
+    Sharded gradients (DTensors) give a sharded norm, which every rank gathers whole."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def train_step(
@@ -241,7 +263,7 @@ def train_step(
 
 
 def with_proximal_logprobs(
-    model: nn.Module, micro_batches: Sequence[TrainBatch], temperature: float, chunk_tokens: int | None = None
+    model: nn.Module, micro_batches: Sequence[TrainBatch], cfg: LossConfig, *, lockstep: bool = False
 ) -> list[TrainBatch]:
     """The micro-batches with the model's current log-probabilities recorded (no gradient): the
     proximal policy of every update of a step that takes several over the same batch."""
@@ -250,10 +272,12 @@ def with_proximal_logprobs(
     with torch.no_grad():
         for mb in micro_batches:
             if mb.num_sequences == 0:
+                if lockstep:
+                    _filler_passes(model, mb.stats, cfg, None, device)
                 recorded.append(mb)
                 continue
-            logprobs, _ = completion_logprobs(model, mb.to(device), temperature,         # (N, L)
-                                              chunk_tokens=chunk_tokens)
+            logprobs, _ = completion_logprobs(model, mb.to(device), cfg.temperature,     # (N, L)
+                                              chunk_tokens=cfg.logit_chunk_tokens)
             recorded.append(replace(mb, proximal_logprobs=logprobs.to(mb.sampler_logprobs.device)))
     return recorded
 
@@ -291,10 +315,12 @@ def run_epochs(
     cfg: LossConfig,
     epochs: int,
     update: Callable[[Sequence[TrainBatch]], dict[str, float]],
+    *,
+    lockstep: bool = False,
 ) -> dict[str, float]:
     """`epochs` passes of `update` (one optimiser step) over `updates`, after recording the proximal
     log-probabilities when there is more than one step; the combined metrics. Shared by the
-    single-process path and each data-parallel rank."""
+    single-process path and each data-parallel rank (`lockstep`: see `accumulate_gradients`)."""
     if epochs * len(updates) > 1:
-        updates = [with_proximal_logprobs(model, u, cfg.temperature, cfg.logit_chunk_tokens) for u in updates]
+        updates = [with_proximal_logprobs(model, u, cfg, lockstep=lockstep) for u in updates]
     return combine_updates([update(u) for _ in range(epochs) for u in updates], epochs)

@@ -87,7 +87,8 @@ class Engine(Protocol):
     def optimizer_state_dict(self) -> dict[str, Any]: ...
 
     def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
-        """fn(policy) on the live weights; `fn` must pickle (a functools.partial of a module function)."""
+        """fn(policy) on the live weights; `fn` must pickle (a functools.partial of a module function).
+        A sharded engine runs it on every rank (each pass gathers weights from all) and answers rank 0's."""
         ...
 
     def close(self) -> None: ...
@@ -125,7 +126,8 @@ class LocalEngine:
 
 
 class RankEngine:
-    """`world_size` persistent data-parallel ranks (rl/distributed.py) holding identical replicas."""
+    """`world_size` persistent data-parallel ranks (rl/distributed.py), each holding a FSDP2 shard
+    of the policy, its gradients, its optimizer state and the reference."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
