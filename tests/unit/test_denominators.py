@@ -48,6 +48,8 @@ TINY = LlamaConfig(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 OBJECTIVES: dict[str, dict[str, object]] = {
     "ppo_clip": {"clip_high": 0.28},
@@ -69,15 +71,6 @@ def loss_config(aggregation: Aggregation, objective: str = "ppo_clip") -> LossCo
     """Every term on: the objective (the sampler logprobs are noisy, so some tokens clip), KL, entropy."""
     return LossConfig.model_validate({"aggregation": aggregation, "kl_coef": 0.05, "entropy_coef": 0.01,
                                       **(OBJECTIVES | SEQUENCE_WEIGHTS)[objective]})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The model is tiny: a second intra-op thread only spins, and stalls when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # --- the protocol on plain tensors ------------------------------------------------------------

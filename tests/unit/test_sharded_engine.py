@@ -5,7 +5,6 @@ size checkpoints restores into the other."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,7 @@ LAYOUTS: dict[str, tuple[LossConfig, BatchConfig]] = {
                                activation_checkpointing=True)),
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 import functools
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,7 @@ TINY = LlamaConfig(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The model is tiny: a second intra-op thread only spins, and stalls when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
