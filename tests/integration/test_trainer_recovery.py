@@ -56,6 +56,7 @@ from rlpipe.storage.runs import register_run
 from rlpipe.tracking.cursor import cursor_states, plan_batch, tracker_lines
 from rlpipe.tracking.follow import MAX_STEPS_PER_BATCH, Outcome, catch_up_run, read_batch
 from rlpipe.tracking.sinks import open_sink
+from rlpipe.trainer.engine import RankEngine
 from rlpipe.trainer.trainer import Trainer
 from rlpipe.weights.checkpoints import (
     download_checkpoint,
@@ -421,6 +422,45 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
         assert_unreachable_tracker_reported(migrated_db, cfg, first_outcomes)
     else:
         assert_every_step_tracked_once(migrated_db, cfg, first_outcomes, tmp_path)
+
+
+def test_a_rank_sigkilled_mid_step_fails_the_step_and_its_retry_commits_once(
+        uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore, tiny_model: Path,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sharded ranks; rank 1 is SIGKILLed as step 4's engine step begins, so rank 0 is left in a
+    collective it never completes. The step must fail saying which rank, leave nothing committed, and
+    its retry (what Temporal does with the failed activity) must restore, replay and commit step 4
+    once, ending where the undisturbed run ends."""
+    _, want = uninterrupted(2, False)
+    cfg = new_run(migrated_db, tiny_model, 2)
+    original, killed, step_being_trained = RankEngine.step, [], [0]
+
+    def killing_rank_one(engine: RankEngine, *args: Any, **kwargs: Any) -> dict[str, float]:
+        if not killed and step_being_trained[0] == 4:
+            rank_one = engine.group._procs[1].pid
+            assert rank_one is not None
+            os.kill(rank_one, signal.SIGKILL)
+            killed.append(rank_one)
+        return original(engine, *args, **kwargs)
+
+    monkeypatch.setattr(RankEngine, "step", killing_rank_one)
+    trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work", background_uploads=True)
+    try:
+        trainer.init_policy(cfg.name)
+        for step in range(1, STEPS + 1):
+            step_being_trained[0] = step
+            if step == 4:
+                with pytest.raises(RuntimeError, match=r"data-parallel rank"):
+                    trainer.train_step(step_input(cfg, step))
+                assert killed, "rank 1 was killed"
+                assert 4 not in step_metrics(migrated_db, cfg.name), "the failed step committed nothing"
+            trainer.train_step(step_input(cfg, step))   # step 4: the retry
+    finally:
+        trainer.shutdown()
+    assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
+    assert sorted(step_metrics(migrated_db, cfg.name)) == list(range(1, STEPS + 1))   # each step once
+    assert_replayed(step_metrics(migrated_db, cfg.name)[4], version=0, steps=3)
+    assert claimed_steps(migrated_db, cfg.name).count(4) == GROUPS_PER_STEP
 
 
 # -- the trackers fed from this record (issue #23) ------------------------------------------------
