@@ -247,7 +247,7 @@ def two_ranks(model_dirs: tuple[Path, Path]) -> Iterator[DataParallelGroup]:
 def data_parallel_gradient(
     group: DataParallelGroup, policy: LlamaForCausalLM, shards: Sequence[Sequence[TrainBatch]], loss: LossConfig
 ) -> torch.Tensor:
-    """Reset the replicas to `policy`, take one SGD(lr=1) step, read the gradient off the update."""
+    """Reset the ranks to `policy`, take one SGD(lr=1) step, read the gradient off the update."""
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     group.load_state_dict(before)
     group.step(shards, loss, grad_clip=None)

@@ -76,11 +76,12 @@ ModelFn = Callable[[], nn.Module]
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 """Builds the optimizer over the given parameters, e.g. functools.partial(make_optimizer, cfg=optim)."""
 
+
 @dataclass(frozen=True)
 class _Command:
     kind: Literal["train", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
                   "call", "close"]
-    """A method of `_Replica` (or close)."""
+    """A method of `_Rank` (or close)."""
     payload: Any = None
 
 
@@ -141,7 +142,7 @@ def optimizer_state_by_index(state: dict[str, Any], names: Sequence[str]) -> dic
 
 
 @dataclass
-class _Replica:
+class _Rank:
     """One rank's shards of the model, its optimizer and the optional frozen reference; each method
     serves one command kind and returns rank 0's answer (other ranks return None). Every rank runs
     every command: their collectives need all ranks."""
@@ -195,10 +196,10 @@ class _Replica:
         return answer if self.rank == 0 else None
 
 
-def _build_replica(
+def _build_rank(
     rank: int, world_size: int, init_file: str, model_fn: ModelFn, optimizer_fn: OptimizerFn,
     ref_model_fn: ModelFn | None, timeout_s: float,
-) -> _Replica:
+) -> _Rank:
     """Join the process group, build the model, make its weights equal to rank 0's and shard it."""
     use_cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
@@ -219,7 +220,7 @@ def _build_replica(
         ref_model.requires_grad_(False)
         _broadcast_module(ref_model)
         shard(ref_model)
-    return _Replica(rank, world_size, device, model, optimizer, ref_model)
+    return _Rank(rank, world_size, device, model, optimizer, ref_model)
 
 
 def _rank_main(
@@ -236,14 +237,14 @@ def _rank_main(
     """One rank: build, then serve commands until 'close'. Every command is answered on `outbox`."""
     parent = os.getppid()
     try:
-        replica = _build_replica(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, timeout_s)
+        rank_state = _build_rank(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, timeout_s)
         outbox.put((rank, "ok", None))
     except Exception:
         outbox.put((rank, "error", traceback.format_exc()))
         return
     while (cmd := _next_command(inbox, parent)).kind != "close":
         try:
-            outbox.put((rank, "ok", getattr(replica, cmd.kind)(cmd.payload)))
+            outbox.put((rank, "ok", getattr(rank_state, cmd.kind)(cmd.payload)))
         except Exception:
             outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
