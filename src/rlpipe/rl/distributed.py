@@ -175,7 +175,7 @@ class _Rank:
 
     def optimizer_state_dict(self, _: None) -> Any:
         state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
-        return self._rank0(optimizer_state_by_index(state, self._names()) if self.rank == 0 else None)
+        return optimizer_state_by_index(state, self._names()) if self.rank == 0 else None  # others got {}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         # private copies: tensors sent through the queues live in shared memory that every rank maps,
