@@ -19,6 +19,7 @@ CAPPED_BY_TIS_CAP = ("truncated_is", "sequence_truncate", "sequence_mask")
 """The corrections whose importance weight `tis_cap` (and `tis_floor`) bound."""
 KLEstimator = Literal["k1", "k2", "k3"]
 MicroBatchSplit = Literal["count", "tokens"]
+Precision = Literal["fp32", "bf16"]
 
 
 class OverlongConfig(BaseModel):
@@ -207,7 +208,7 @@ class OptimConfig(BaseModel):
 
 
 class BatchConfig(BaseModel):
-    """How a step's global batch is split over data-parallel ranks and micro-batches."""
+    """How a step's global batch is split over data-parallel ranks and micro-batches, and computed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -233,6 +234,11 @@ class BatchConfig(BaseModel):
     activation_checkpointing: bool = False
     """Memory only: keep each decoder layer's input instead of its activations and recompute the
     layer in the backward pass (about one more forward of compute for a fraction of the memory)."""
+    precision: Precision = "fp32"
+    """The trainer's compute dtype. fp32: everything in float32. bf16: forward and backward passes
+    in bfloat16 (the ranks' FSDP2 mixed-precision policy; autocast in a single process), while the
+    master weights, the optimizer state and the gradient reduction stay float32, and logprobs,
+    ratios and the loss are computed in float32 from the bf16 logits."""
 
     @model_validator(mode="after")
     def _options_match_split(self) -> "BatchConfig":

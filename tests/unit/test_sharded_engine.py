@@ -1,6 +1,7 @@
-"""The trainer's engines in fp32 with AdamW, as a run uses them: two FSDP2 ranks (RankEngine) train
+"""The trainer's engines with AdamW, as a run uses them: in fp32 two FSDP2 ranks (RankEngine) train
 to the parameters and optimizer state of one process (LocalEngine), and the full state one world
-size checkpoints restores into the other."""
+size checkpoints restores into the other; in bf16 both keep fp32 master weights and take the fp32
+step to within bf16 rounding."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlpipe.policy.checkpoint import save_checkpoint
 from rlpipe.rl.batch import Sample
 from rlpipe.rl.batching import plan_updates
-from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig
+from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig, Precision
 from rlpipe.trainer.engine import Engine, EngineSpec, LocalEngine, RankEngine, step_seed
 
 TINY = LlamaConfig(
@@ -64,11 +65,11 @@ def step_samples(step: int) -> list[Sample]:
 
 
 def open_at(world_size: int, model_dir: Path, layout: str, weights_dir: Path | None = None,
-            optimizer_state: dict[str, Any] | None = None) -> Engine:
+            optimizer_state: dict[str, Any] | None = None, precision: Precision = "fp32") -> Engine:
     loss, batch = LAYOUTS[layout]
     spec = EngineSpec(base_dir=model_dir, weights_dir=weights_dir or model_dir, optimizer_state=optimizer_state,
                       loss=loss, optim=OPTIM, world_size=world_size, epochs=batch.epochs,
-                      activation_checkpointing=batch.activation_checkpointing)
+                      activation_checkpointing=batch.activation_checkpointing, precision=precision)
     return LocalEngine(spec) if world_size == 1 else RankEngine(spec)
 
 
@@ -146,3 +147,27 @@ def test_a_checkpoint_of_one_world_size_resumes_at_the_other(model_dir: Path, tm
     finally:
         second.close()
     assert relative_error(flat(resumed), flat(undisturbed.state_dict())) < 1e-5
+
+
+@pytest.mark.parametrize(("world_size", "layout"), [(1, "token_mean"), (2, "token_mean"), (2, "everything")])
+def test_bf16_compute_keeps_fp32_master_weights_and_takes_the_fp32_step(model_dir: Path, world_size: int,
+                                                                        layout: str) -> None:
+    """One process autocasts, ranks use FSDP2's mixed-precision policy: either way the weights and the
+    optimizer state stay fp32 and the update is the fp32 one up to bf16 rounding (measured: 5 % relative
+    for token_mean, 11-22 % over the six optimiser steps of the layout with everything)."""
+    base = flat(LlamaForCausalLM.from_pretrained(model_dir).state_dict())
+    reference = open_at(1, model_dir, layout)
+    train(reference, 1, layout, range(1, STEPS + 1))
+    fp32_update = flat(reference.state_dict()) - base
+    engine = open_at(world_size, model_dir, layout, precision="bf16")
+    try:
+        train(engine, world_size, layout, range(1, STEPS + 1))
+        weights, optimizer = engine.state_dict(), engine.optimizer_state_dict()
+    finally:
+        engine.close()
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert {t.dtype for s in optimizer["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])} == {torch.float32}
+    update = flat(weights) - base
+    assert torch.nn.functional.cosine_similarity(update, fp32_update, dim=0) > 0.95
+    # and bf16 really computed: fp32 takes the step to ~1e-6
+    assert 1e-3 < relative_error(update, fp32_update) < 0.3

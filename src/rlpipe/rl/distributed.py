@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlpipe.rl.batch import TrainBatch, collate
 from rlpipe.rl.step import (
@@ -69,7 +69,7 @@ from rlpipe.rl.step import (
     apply_gradients,
     run_epochs,
 )
-from rlpipe.schemas.algorithm import LossConfig
+from rlpipe.schemas.algorithm import LossConfig, Precision
 
 ModelFn = Callable[[], nn.Module]
 """Builds a model on CPU, e.g. functools.partial(LlamaForCausalLM.from_pretrained, path); must pickle."""
@@ -114,13 +114,16 @@ def _broadcast_module(module: nn.Module) -> None:
             dist.broadcast(t, src=0)
 
 
-def shard(model: nn.Module) -> None:
+def shard(model: nn.Module, precision: Precision = "fp32") -> None:
     """FSDP2 in place: each decoder layer its own unit (gathered for its passes, then freed), then
     the whole model (the embedding, final norm and output layer, kept gathered from forward to
-    backward)."""
+    backward). bf16: the gathered weights are bf16 copies of the fp32 shards, which the optimizer
+    steps, and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
     for layer in getattr(getattr(model, "model", None), "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -198,7 +201,7 @@ class _Rank:
 
 def _build_rank(
     rank: int, world_size: int, init_file: str, model_fn: ModelFn, optimizer_fn: OptimizerFn,
-    ref_model_fn: ModelFn | None, timeout_s: float,
+    ref_model_fn: ModelFn | None, precision: Precision, timeout_s: float,
 ) -> _Rank:
     """Join the process group, build the model, make its weights equal to rank 0's and shard it."""
     use_cuda = torch.cuda.is_available()
@@ -213,13 +216,13 @@ def _build_rank(
     )
     model = model_fn().to(device)
     _broadcast_module(model)
-    shard(model)
+    shard(model, precision)
     optimizer = optimizer_fn(model.parameters())   # over the shards: each rank steps its own
     ref_model = ref_model_fn().to(device) if ref_model_fn is not None else None
     if ref_model is not None:
         ref_model.requires_grad_(False)
         _broadcast_module(ref_model)
-        shard(ref_model)
+        shard(ref_model, precision)
     return _Rank(rank, world_size, device, model, optimizer, ref_model)
 
 
@@ -230,6 +233,7 @@ def _rank_main(
     model_fn: ModelFn,
     optimizer_fn: OptimizerFn,
     ref_model_fn: ModelFn | None,
+    precision: Precision,
     inbox: "mp.Queue[_Command]",
     outbox: "mp.Queue[tuple[int, str, Any]]",
     timeout_s: float,
@@ -237,7 +241,8 @@ def _rank_main(
     """One rank: build, then serve commands until 'close'. Every command is answered on `outbox`."""
     parent = os.getppid()
     try:
-        rank_state = _build_rank(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, timeout_s)
+        rank_state = _build_rank(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, precision,
+                                 timeout_s)
         outbox.put((rank, "ok", None))
     except Exception:
         outbox.put((rank, "error", traceback.format_exc()))
@@ -276,10 +281,12 @@ class DataParallelGroup:
         optimizer_fn: OptimizerFn,
         *,
         ref_model_fn: ModelFn | None = None,
+        precision: Precision = "fp32",
         timeout_s: float = 1800.0,
         preload: Sequence[str] = (),
     ) -> None:
         """Start the ranks and wait until each has built its model; `timeout_s` bounds every command.
+        `precision`: the passes' compute dtype (`shard`).
         `preload`: modules the fork server imports (those the factories need, e.g. the model's
         library); it counts only while this process has no fork server yet (the first group)."""
         ctx = mp.get_context("forkserver")
@@ -293,7 +300,7 @@ class DataParallelGroup:
             ctx.Process(
                 target=_rank_main,
                 args=(rank, world_size, os.path.join(self._dir, "rendezvous"), model_fn, optimizer_fn,
-                      ref_model_fn, self._inboxes[rank], self._outbox, timeout_s),
+                      ref_model_fn, precision, self._inboxes[rank], self._outbox, timeout_s),
                 daemon=True,
             )
             for rank in range(world_size)

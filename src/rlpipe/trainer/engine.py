@@ -26,7 +26,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -34,8 +34,8 @@ from transformers import AutoModelForCausalLM
 
 from rlpipe.rl.batching import StepPlan
 from rlpipe.rl.distributed import DataParallelGroup, cpu_copy
-from rlpipe.rl.step import make_optimizer, train_updates
-from rlpipe.schemas.algorithm import LossConfig, OptimConfig
+from rlpipe.rl.step import WithOutputLayer, make_optimizer, train_updates
+from rlpipe.schemas.algorithm import LossConfig, OptimConfig, Precision
 
 T = TypeVar("T")
 STEPS_PER_SEED = 1_000_000
@@ -62,6 +62,18 @@ def load_reference(base_dir: Path) -> nn.Module:
     return load_policy(base_dir).eval().requires_grad_(False)
 
 
+def compute_in(model: nn.Module, precision: Precision) -> nn.Module:
+    """`model` whose forward passes (its output layer's alone too: the chunked logits call it) run
+    under autocast in bf16: matmuls in bf16 over the fp32 weights, which stay the optimizer's master
+    copy; the backward pass follows the forward's dtypes. fp32: `model` unchanged. (Ranks get the
+    same from FSDP2's mixed-precision policy, rl/distributed.shard.)"""
+    if precision == "bf16":
+        device_type = next(model.parameters()).device.type
+        for module in (model, cast(WithOutputLayer, model).get_output_embeddings()):
+            module.forward = torch.autocast(device_type, dtype=torch.bfloat16)(module.forward)
+    return model
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What an engine starts from."""
@@ -74,6 +86,7 @@ class EngineSpec:
     world_size: int
     epochs: int = 1                       # passes over a step's mini-batches (batch.epochs)
     activation_checkpointing: bool = False  # batch.activation_checkpointing
+    precision: Precision = "fp32"         # batch.precision
 
 
 class Engine(Protocol):
@@ -100,11 +113,13 @@ class LocalEngine:
     def __init__(self, spec: EngineSpec) -> None:
         self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_policy(spec.weights_dir, spec.activation_checkpointing).to(device)
+        self.model = compute_in(load_policy(spec.weights_dir, spec.activation_checkpointing).to(device),
+                                spec.precision)
         self.optimizer = make_optimizer(self.model.parameters(), spec.optim)
         if spec.optimizer_state is not None:
             self.optimizer.load_state_dict(spec.optimizer_state)   # moves the state to the parameters' device
-        self.ref_model = load_reference(spec.base_dir).to(device) if spec.loss.kl_coef > 0 else None
+        self.ref_model = compute_in(load_reference(spec.base_dir).to(device), spec.precision) \
+            if spec.loss.kl_coef > 0 else None
 
     def step(self, updates: Sequence[StepPlan], seed: int) -> dict[str, float]:
         torch.manual_seed(seed)   # = rl.distributed's seed * world_size + rank for one rank
@@ -136,6 +151,7 @@ class RankEngine:
             functools.partial(load_policy, spec.weights_dir, spec.activation_checkpointing),  # they pickle
             functools.partial(make_optimizer, cfg=spec.optim),
             ref_model_fn=functools.partial(load_reference, spec.base_dir) if spec.loss.kl_coef > 0 else None,
+            precision=spec.precision,
             preload=[__name__],   # torch and transformers, imported once by the fork server
         )
         if spec.optimizer_state is not None:
