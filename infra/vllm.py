@@ -191,3 +191,7 @@ class WeightReloadExtension:
             return {"tied_head_refreshed": False}
         head.quant_method.process_weights_after_loading(head)
         return {"tied_head_refreshed": True}
+
+    def served_dtype(self) -> dict[str, str]:
+        """The dtype the server computes in (`--dtype`): the sync's verification tolerance depends on it."""
+        return {"dtype": str(self.model_runner.model_config.dtype).removeprefix("torch.")}

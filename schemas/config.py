@@ -117,16 +117,23 @@ class SyncConfig(Strict):
     keep: they continue on the new weights and record both versions (as spans)."""
     verify: bool = True
     """Compare the server's logprobs on a fixed probe with the trainer's before marking a version live."""
-    verify_tolerance: float = Field(2e-4, gt=0)
-    """Largest allowed |server - trainer| logprob difference on the probe tokens. In fp32 a faithful
-    load differs by ~1e-5 (docs/vllm-cpu-notes.md) and one training step moves them by ~1e-4."""
+    verify_tolerance: float | None = Field(None, gt=0)
+    """Largest allowed |server - trainer| logprob difference on the probe tokens. None: derived from
+    the dtype each server computes in (weights/tolerance.py): 2e-4 for fp32 servers (a faithful load
+    differs by ~1e-5 from the trainer's probe, the fp32 forward of the published bytes), 1.0 for
+    bf16 servers (their own rounding moves it by up to ~0.4: only gross errors are caught)."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype of the published inference weights. bfloat16 halves what every sync moves; the
+    trainer's fp32 master weights then travel in the optimizer's recovery state, so a restore
+    stays exact."""
     timeout_s: float = Field(600.0, gt=0)
     recovery_state_every: int = Field(8, ge=1)
     """Store the optimizer state (for trainer recovery only) with a published version when at least this
     many steps have passed since the last stored one, and after the run's last step. A restarted trainer
     restores the newest stored state and replays the recorded steps since, so it replays fewer than
     `recovery_state_every + interval` steps; 1 stores it with every version. The state is twice the
-    weights' size (AdamW's two moments), the largest write of a publish."""
+    weights' size (AdamW's two moments), the largest write of a publish; three times with
+    `weights_dtype` "bfloat16" (the fp32 master weights travel with it)."""
 
 
 class RetentionConfig(Strict):

@@ -384,6 +384,8 @@ class SyncEvent(Base):
     total_s: Mapped[float | None] = mapped_column(Float)
     probe_max_abs_diff: Mapped[float | None] = mapped_column(Float)
     """Largest |server - trainer| logprob on the probe tokens after loading."""
+    probe_tolerance: Mapped[float | None] = mapped_column(Float)
+    """The largest difference the verification allowed (weights/tolerance.py); null when not verified."""
     greedy_match: Mapped[bool | None]
     """Whether the server's greedy continuation of the probe equals the trainer's."""
     error: Mapped[str | None]

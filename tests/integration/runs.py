@@ -19,6 +19,7 @@ from rlpipe.observe import invariants
 from rlpipe.schemas.config import RunConfig, load_run_config
 from rlpipe.schemas.payloads import RunResult
 from rlpipe.storage.db import Database
+from rlpipe.weights.tolerance import probe_tolerance
 from tests.waiting import run_result
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -68,12 +69,13 @@ def assert_audit_trail(db: Database, cfg: RunConfig) -> None:
         found = invariants.check_run(s, cfg.name, only=AUDIT_TRAIL)
     assert [inv.name for inv in found if inv.ok] == list(AUDIT_TRAIL), [inv for inv in found if not inv.ok]
     versions = rows(db, "select version from policy_versions where run_id = :r", r=cfg.name)
-    syncs = rows(db, "select version, status, probe_max_abs_diff, greedy_match from sync_events "
+    syncs = rows(db, "select version, status, probe_max_abs_diff, probe_tolerance, greedy_match from sync_events "
                      "where run_id = :r order by version", r=cfg.name)
     assert {s.version for s in syncs} == {v.version for v in versions}
+    tolerance = cfg.sync.verify_tolerance or probe_tolerance("float32")  # the session's servers compute in fp32
     for sync in syncs:  # after each sync the server held exactly the trainer's weights
         assert sync.status == "ok" and sync.greedy_match is True
-        assert sync.probe_max_abs_diff <= cfg.sync.verify_tolerance
+        assert sync.probe_tolerance == tolerance and sync.probe_max_abs_diff <= tolerance
 
 
 def cli(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:

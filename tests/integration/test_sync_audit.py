@@ -35,7 +35,7 @@ def s(migrated_db: Database) -> Iterator[Session]:
 
 
 def attempt(version: int, status: str, at: datetime) -> SyncRecord:
-    return SyncRecord(RUN, version, SERVER, status, 10, {"total_s": 1.0}, None, None,
+    return SyncRecord(RUN, version, SERVER, status, 10, {"total_s": 1.0}, None, None, None,
                       None if status == "ok" else "server went away", at, at + timedelta(seconds=1))
 
 

@@ -80,18 +80,21 @@ Weights = dict[str, torch.Tensor]
 
 # -- a run and its buffer -----------------------------------------------------------------------
 def new_run(db: Database, tiny_model: Path, world_size: int, several_updates: bool = False,
-            tracking: dict[str, Any] | None = None, retention: dict[str, Any] | None = None) -> RunConfig:
+            tracking: dict[str, Any] | None = None, retention: dict[str, Any] | None = None,
+            bf16: bool = False) -> RunConfig:
     """A registered run whose steps move the weights far more than TOLERANCE (lr 1e-3), with the
     reference model (KL) and micro-batches on; `several_updates`: 2 epochs over 2 mini-batches, four
     optimiser steps per train step, anchored at the proximal policy recorded before the first;
-    `tracking`: the config's `tracking` and `trackers` fields (experiment trackers, issue #23)."""
+    `tracking`: the config's `tracking` and `trackers` fields (experiment trackers, issue #23); `bf16`: bf16
+    compute and bf16 published weights (the fp32 master weights then travel with the optimizer state)."""
     updates = {"mini_batches": 2, "epochs": 2} if several_updates else {}
     cfg = RunConfig.model_validate({
         "name": f"recovery-{world_size}-{uuid.uuid4().hex[:8]}", "steps": STEPS,
         "model": {"path": str(tiny_model)},
         "rollout": {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP},
-        "batch": {"world_size": world_size, "micro_batches": 2, **updates},
-        "sync": {"interval": SYNC_INTERVAL, "recovery_state_every": RECOVERY_STATE_EVERY},
+        "batch": {"world_size": world_size, "micro_batches": 2, **updates, **({"precision": "bf16"} if bf16 else {})},
+        "sync": {"interval": SYNC_INTERVAL, "recovery_state_every": RECOVERY_STATE_EVERY,
+                 **({"weights_dtype": "bfloat16"} if bf16 else {})},
         "loss": {"kl_coef": 0.05, **({"off_policy": "decoupled"} if several_updates else {})},
         "optim": {"lr": 1e-3},
         "retention": retention or {},
@@ -187,7 +190,7 @@ class FinalState:
     weights_before: Weights          # published one checkpoint earlier (step STEPS - 1)
 
 
-Uninterrupted = Callable[[int, bool], tuple[RunConfig, FinalState]]
+Uninterrupted = Callable[[int, bool, bool], tuple[RunConfig, FinalState]]
 """(world_size, several_updates) -> the uninterrupted run of that layout and its final state."""
 
 
@@ -203,7 +206,7 @@ def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path, with_b
         return load_state_dict(directory)
 
     store.get_file(train_state_key(run_id, STEPS), tmp / f"{run_id}-optimizer.pt")
-    optimizer = torch.load(tmp / f"{run_id}-optimizer.pt", weights_only=True)
+    optimizer = torch.load(tmp / f"{run_id}-optimizer.pt", weights_only=True)["optimizer"]
     final = weights(last)
     return FinalState(final, optimizer, weights(last - 1) if with_before else final)
 
@@ -248,11 +251,11 @@ def assert_replayed(metrics: dict, version: int, steps: int) -> None:
 def uninterrupted(migrated_db: Database, object_store: ObjectStore, tiny_model: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Uninterrupted:
     """The uninterrupted run for a world size (run once, shared by the tests of that world size)."""
-    done: dict[tuple[int, bool], tuple[RunConfig, FinalState]] = {}
+    done: dict[tuple[int, bool, bool], tuple[RunConfig, FinalState]] = {}
 
-    def run(world_size: int, several_updates: bool = False) -> tuple[RunConfig, FinalState]:
-        if (world_size, several_updates) not in done:
-            cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
+    def run(world_size: int, several_updates: bool = False, bf16: bool = False) -> tuple[RunConfig, FinalState]:
+        if (world_size, several_updates, bf16) not in done:
+            cfg = new_run(migrated_db, tiny_model, world_size, several_updates, bf16=bf16)
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{world_size}")
             trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp / "work",
                               background_uploads=True)
@@ -260,20 +263,24 @@ def uninterrupted(migrated_db: Database, object_store: ObjectStore, tiny_model: 
                 run_steps(trainer, cfg, range(1, STEPS + 1))
             finally:
                 trainer.shutdown()
-            done[world_size, several_updates] = cfg, final_state(migrated_db, object_store, cfg.name, tmp)
-        return done[world_size, several_updates]
+            done[world_size, several_updates, bf16] = cfg, final_state(migrated_db, object_store, cfg.name, tmp)
+        return done[world_size, several_updates, bf16]
 
     return run
 
 
 # -- the tests ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("world_size", "several_updates"), [(1, False), (2, False), (1, True), (2, True)],
-                         ids=["1-rank", "2-ranks", "1-rank-epochs", "2-ranks-epochs"])
+@pytest.mark.parametrize(("world_size", "several_updates", "bf16"),
+                         [(1, False, False), (2, False, False), (1, True, False), (2, True, False), (2, False, True)],
+                         ids=["1-rank", "2-ranks", "1-rank-epochs", "2-ranks-epochs", "2-ranks-bf16"])
 def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
-        world_size: int, several_updates: bool, uninterrupted: Uninterrupted, migrated_db: Database,
+        world_size: int, several_updates: bool, bf16: bool, uninterrupted: Uninterrupted, migrated_db: Database,
         object_store: ObjectStore, tiny_model: Path, tmp_path: Path) -> None:
-    baseline, want = uninterrupted(world_size, several_updates)
-    cfg = new_run(migrated_db, tiny_model, world_size, several_updates)
+    """`bf16`: the published weights are rounded, so each restore must start from the fp32 master weights
+    stored with the optimizer state (or the base model, for version 0): from the rounded ones, the
+    replayed steps end elsewhere."""
+    baseline, want = uninterrupted(world_size, several_updates, bf16)
+    cfg = new_run(migrated_db, tiny_model, world_size, several_updates, bf16=bf16)
     for steps in (range(1, 2), range(2, 4), range(4, 5), range(5, STEPS + 1)):   # thrown away after 1, 3 and 4
         trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}",
                           background_uploads=True)
@@ -315,7 +322,7 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
     reached S3 (nor, on another machine, its optimizer state). The next trainer uploads it from the
     machine's cache when it runs on the same machine, and otherwise re-creates it by replaying steps
     1..4 from version 0, with the committed weights' sha256, before it trains step 5."""
-    _, want = uninterrupted(1, False)
+    _, want = uninterrupted(1, False, False)
     cfg = new_run(migrated_db, tiny_model, 1)
     first = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-1",
                     background_uploads=True)
@@ -355,7 +362,7 @@ def test_retention_deletes_old_versions_but_never_the_one_a_restore_needs(
     and the trainer thrown away after step 3 restores from it. Step 4 stores a state: v0 and v1 go,
     and the trainer thrown away after step 4 restores from v2. After step 5 only v3 and its state
     are left, and the replays reproduce the uninterrupted run exactly."""
-    _, want = uninterrupted(1, False)
+    _, want = uninterrupted(1, False, False)
     cfg = new_run(migrated_db, tiny_model, 1, retention={"keep_last": 1})
     kept_after: dict[int, set[int]] = {}
     for steps in (range(1, 4), range(4, 5), range(5, STEPS + 1)):
@@ -397,7 +404,7 @@ def test_a_sigkilled_trainer_process_recovers_by_replay(
     """One process (world_size 1): data-parallel recovery is the test above; this one is about a
     real crash in the middle of a step, with its claim made and nothing committed. With 2 epochs x
     2 mini-batches the kill lands after the first epoch's two optimiser steps."""
-    _, want = uninterrupted(1, several_updates)
+    _, want = uninterrupted(1, several_updates, False)
     # the trackers ride along (issue #23): TensorBoard, an MLflow file store and W&B offline with one
     # layout, an MLflow tracking server that is not there with the other
     mlflow_uri = f"http://127.0.0.1:{free_port()}" if several_updates else f"file:{tmp_path / 'mlruns'}"
@@ -431,7 +438,7 @@ def test_a_rank_sigkilled_mid_step_fails_the_step_and_its_retry_commits_once(
     collective it never completes. The step must fail saying which rank, leave nothing committed, and
     its retry (what Temporal does with the failed activity) must restore, replay and commit step 4
     once, ending where the undisturbed run ends."""
-    _, want = uninterrupted(2, False)
+    _, want = uninterrupted(2, False, False)
     cfg = new_run(migrated_db, tiny_model, 2)
     original, killed, step_being_trained = RankEngine.step, [], [0]
 

@@ -20,6 +20,7 @@ from rlpipe.infra.inference import SERVED_MODEL_NAME
 from rlpipe.infra.process import free_port
 from rlpipe.infra.temporal import temporal_binary
 from rlpipe.observe.queries import group_counts
+from rlpipe.policy.checkpoint import WEIGHTS_FILE
 from rlpipe.rl.advantages import overlong_penalty
 from rlpipe.schemas.algorithm import OverlongConfig
 from rlpipe.schemas.config import RunConfig
@@ -65,6 +66,19 @@ async def test_gspo_and_cispo_runs_complete_with_verified_syncs(
     assert_audit_trail(migrated_db, cfg)
     metrics = [r.metrics for r in rows(migrated_db, "select metrics from train_steps where run_id = :r", r=cfg.name)]
     assert len(metrics) == cfg.steps and all("clip_seq_frac" in m for m in metrics)
+
+
+async def test_a_bf16_trainer_publishing_bf16_weights_syncs_at_the_fp32_bound(
+        temporal_client: Client, pipeline_workers, migrated_db: Database, tiny_model: Path) -> None:
+    """bf16 compute and half-size bf16 checkpoints; the session's fp32 server verifies each one at the
+    fp32 bound (assert_audit_trail), since the trainer probes the published bytes in fp32."""
+    cfg = tiny_config(tiny_model, steps=2, batch={"precision": "bf16"}, sync={"weights_dtype": "bfloat16"})
+    await run_to_end(temporal_client, cfg)
+    assert_audit_trail(migrated_db, cfg)
+    fp32_bytes = (tiny_model / WEIGHTS_FILE).stat().st_size
+    sizes = [r.size_bytes for r in rows(migrated_db, "select size_bytes from policy_versions where run_id = :r",
+                                        r=cfg.name)]
+    assert len(sizes) == cfg.steps + 1 and all(size < 0.6 * fp32_bytes for size in sizes)
 
 
 async def test_overlong_shaping_and_truncation_masking_reach_the_buffer_and_the_loss(

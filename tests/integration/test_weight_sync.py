@@ -32,6 +32,7 @@ from rlpipe.schemas.tables import PolicyVersion
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import register_run
+from rlpipe.trainer.engine import load_policy
 from rlpipe.trainer.probe import make_probe, probe_ids
 from rlpipe.weights.checkpoints import (
     Manifest,
@@ -53,6 +54,7 @@ from rlpipe.weights.labels import (
 from rlpipe.weights.retention import Pruned, prune_run
 from rlpipe.weights.sidecar import Sidecar
 from rlpipe.weights.sync import probe_logprob_diff
+from rlpipe.weights.tolerance import FP32_SERVER_TOLERANCE
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 from tests.integration.runs import cli
 
@@ -125,10 +127,13 @@ class Run:
 @pytest.fixture
 def make_run(migrated_db: Database, object_store: ObjectStore, probes: dict[str, dict],
              checkpoints: dict[str, Path], tiny_model: Path):  # type: ignore[no-untyped-def]
-    def make(mode: PauseMode = "wait", retention: dict[str, int] | None = None) -> Run:
+    def make(mode: PauseMode = "wait", retention: dict[str, int] | None = None, bf16: bool = False) -> Run:
+        """`bf16`: a bf16 trainer publishing bf16 weights, verified by the bound its dtypes call for."""
+        sync = {"weights_dtype": "bfloat16"} if bf16 else {"verify_tolerance": TOLERANCE}
         config = RunConfig.model_validate({
             "name": f"ws-{uuid.uuid4().hex[:10]}", "model": {"path": str(tiny_model)},
-            "sync": {"pause_mode": mode, "verify_tolerance": TOLERANCE}, "retention": retention or {}})
+            "batch": {"precision": "bf16" if bf16 else "fp32"},
+            "sync": {"pause_mode": mode, **sync}, "retention": retention or {}})
         with migrated_db.begin() as s:
             register_run(s, config)
         return Run(config.name, migrated_db, object_store, probes, checkpoints)
@@ -355,6 +360,40 @@ async def test_right_hash_wrong_tensors_is_rolled_back_and_the_run_stays_healthy
 
 @pytest.mark.vllm
 @pytest.mark.stack
+async def test_bf16_weights_verify_at_the_fp32_bound_and_a_wrong_tensor_still_fails(
+        make_run, sidecar: Sidecar, checkpoints: dict[str, Path], tiny_model: Path,
+        tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """bf16 weights on the session's fp32 server, the bound derived from its dtype (no verify_tolerance
+    set): probed the trainer's way (the fp32 forward of the published bytes) the faithful load verifies
+    at fp32 noise, where a probe of the unrounded weights is 100x further off; one tensor from the
+    wrong layer is rolled back."""
+    run = make_run(bf16=True)
+    ids = probe_ids(load_tokenizer(tiny_model))
+    weights = load_state_dict(checkpoints["a"])
+
+    def publish(name: str, state: dict[str, torch.Tensor]) -> int:
+        directory = save_checkpoint(state, tmp_path / name, tiny_model, dtype=torch.bfloat16).path
+        run.probes = {**run.probes, name: make_probe(load_policy(directory), *ids)}
+        return run.publish("a", probe_of=name, directory=directory)
+
+    outcome = await sidecar.sync(run.name, publish("good", weights))
+    assert outcome.status == "ok", outcome.error
+    [event] = run.events()
+    assert event.probe_tolerance == FP32_SERVER_TOLERANCE and event.greedy_match is True
+    assert event.probe_max_abs_diff <= FP32_SERVER_TOLERANCE / 10
+    unrounded = max(abs(a - b) for a, b in zip(run.probes["a"]["logprobs"], run.probes["good"]["logprobs"],
+                                               strict=True))
+    assert unrounded > 10 * FP32_SERVER_TOLERANCE
+    swapped = {**weights, "model.layers.0.mlp.down_proj.weight": weights["model.layers.1.mlp.down_proj.weight"]}
+    run.probes = {**run.probes, "swapped": run.probes["good"]}  # the trainer's probe describes the right weights
+    directory = save_checkpoint(swapped, tmp_path / "bad", tiny_model, dtype=torch.bfloat16).path
+    outcome = await sidecar.sync(run.name, run.publish("a", probe_of="swapped", directory=directory))
+    assert outcome.status == "rolled_back"
+    assert outcome.probe_max_abs_diff is not None and outcome.probe_max_abs_diff > 1000 * FP32_SERVER_TOLERANCE
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
 async def test_a_reload_that_fails_is_never_resumed_and_the_previous_version_is_back(
         make_run, sidecar: Sidecar, client: InferenceClient, checkpoints: dict[str, Path], tmp_path: Path,
         prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -510,7 +549,7 @@ def test_attempt_verdicts_name_exactly_one_attempt(make_run) -> None:  # type: i
 
     def write(status: str, started_at: datetime) -> None:
         with run.db.begin() as s:
-            record_sync(s, SyncRecord(run.name, 0, "v", status, 0, {}, None, None, None, started_at, started_at))
+            record_sync(s, SyncRecord(run.name, 0, "v", status, 0, {}, None, None, None, None, started_at, started_at))
 
     def verdict(started_at: datetime) -> str:
         with run.db.begin() as s:

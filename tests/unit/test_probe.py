@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlpipe.trainer.probe import GREEDY_TOKENS, greedy_ids, make_probe
+from rlpipe.trainer.probe import GREEDY_TOKENS, greedy_continuation, make_probe
 
 
 def random_llama(seed: int) -> LlamaForCausalLM:
@@ -29,8 +29,10 @@ def test_cached_greedy_decoding_equals_recomputing_every_prefix() -> None:
     for seed in range(3):
         model = random_llama(seed)
         prompt = [int(t) for t in torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(seed))]
-        assert greedy_ids(model, prompt) == recomputed_greedy(model, prompt, GREEDY_TOKENS)
-        assert len(greedy_ids(model, prompt, tokens=1)) == 1
+        greedy, margins = greedy_continuation(model, prompt)
+        assert greedy == recomputed_greedy(model, prompt, GREEDY_TOKENS)
+        assert len(margins) == GREEDY_TOKENS and all(m >= 0 for m in margins)
+        assert len(greedy_continuation(model, prompt, tokens=1)[0]) == 1
 
 
 def test_the_probe_leaves_a_training_model_in_training_mode() -> None:

@@ -98,6 +98,11 @@ class InferenceAdmin:
         body = {"method": "reload_weights_tied", "kwargs": {"weights_path": str(weights_dir)}}
         await request_json(self._http, "POST", "/collective_rpc", json=body)
 
+    async def served_dtype(self) -> str:
+        """The dtype the server computes in, e.g. "float32" or "bfloat16" (asked of its first worker)."""
+        body = {"method": "served_dtype"}
+        return str((await request_json(self._http, "POST", "/collective_rpc", json=body))["results"][0]["dtype"])
+
     async def update_weight_version(self, version: int | str) -> None:
         """Label the weights now held; responses and `/weight_info` report this label."""
         await request_json(self._http, "POST", "/update_weight_version", json={"new_version": str(version)})

@@ -37,6 +37,7 @@ class SyncRecord:
     bytes: int
     timings: dict[str, float]
     probe_max_abs_diff: float | None
+    probe_tolerance: float | None
     greedy_match: bool | None
     error: str | None
     started_at: datetime
@@ -62,7 +63,8 @@ def record_sync(s: Session, record: SyncRecord) -> int:
                   bytes=record.bytes, download_s=record.timings.get("download_s"),
                   pause_s=record.timings.get("pause_s"), reload_s=record.timings.get("reload_s"),
                   verify_s=record.timings.get("verify_s"), total_s=record.timings.get("total_s"),
-                  probe_max_abs_diff=record.probe_max_abs_diff, greedy_match=record.greedy_match,
+                  probe_max_abs_diff=record.probe_max_abs_diff, probe_tolerance=record.probe_tolerance,
+                  greedy_match=record.greedy_match,
                   error=record.error, started_at=record.started_at, finished_at=record.finished_at)
     statement = insert(SyncEvent).values(**values)
     return s.execute(statement.on_conflict_do_update(
@@ -83,7 +85,8 @@ def record_superseded(s: Session, run_id: str, version: int, server: str, held: 
     error = f"superseded: server {server} already held verified version {held}, so {version} was never loaded"
     statement = insert(SyncEvent).values(run_id=run_id, version=version, server=server, status="superseded",
                                          bytes=0, error=error, started_at=at, finished_at=at)
-    cleared = ("download_s", "pause_s", "reload_s", "verify_s", "total_s", "probe_max_abs_diff", "greedy_match")
+    cleared = ("download_s", "pause_s", "reload_s", "verify_s", "total_s", "probe_max_abs_diff", "probe_tolerance",
+               "greedy_match")
     s.execute(statement.on_conflict_do_update(
         constraint="uq_sync_events_run_id_version_server",
         set_={"status": "superseded", "bytes": 0, "error": error, "started_at": at, "finished_at": at,

@@ -15,7 +15,8 @@ PROBE_ANSWER = "<answer>42</answer>"
 GREEDY_TOKENS = 16
 
 ProbeRecord = dict[str, list[int] | list[float]]
-"""token_ids and their teacher-forced logprobs; prompt_ids and their greedy_ids continuation."""
+"""token_ids and their teacher-forced logprobs; prompt_ids, their greedy_ids continuation and, per
+greedy token, its greedy_margins."""
 
 
 def probe_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
@@ -35,19 +36,26 @@ def teacher_forced_logprobs(model: torch.nn.Module, token_ids: list[int]) -> lis
 
 
 @torch.no_grad()
-def greedy_ids(model: torch.nn.Module, prompt_ids: list[int], tokens: int = GREEDY_TOKENS) -> list[int]:
+def greedy_continuation(model: torch.nn.Module, prompt_ids: list[int],
+                        tokens: int = GREEDY_TOKENS) -> tuple[list[int], list[float]]:
     """Exactly `tokens` argmax tokens after the prompt, end-of-sequence included like any other
-    token (the server is asked with ignore_eos, which keeps sampling past it the same way).
+    token (the server is asked with ignore_eos, which keeps sampling past it the same way), and the
+    margin of each: how far its logit leads the runner-up's. A server whose logprobs differ from
+    these by less than half the margin picks the same token; below that (a near-tie, common in
+    bf16) the two continuations may part without either being wrong (weights/sync.py).
 
     Decoded with the KV cache, as the server decodes: one pass over the prompt, then one token per
     forward (a full forward per token made the probe ~4x slower on a CPU trainer's publish path)."""
     device = _device(model)
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
     greedy: list[int] = []
+    margins: list[float] = []
     while True:
-        greedy.append(int(out.logits[0, -1].argmax()))                                 # logits: (1, 1, V)
+        top = out.logits[0, -1].float().topk(2)                                        # logits: (1, 1, V)
+        greedy.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
         if len(greedy) == tokens:
-            return greedy
+            return greedy, margins
         out = model(input_ids=torch.tensor([[greedy[-1]]], device=device), past_key_values=out.past_key_values,
                     use_cache=True)
 
@@ -57,8 +65,9 @@ def make_probe(model: torch.nn.Module, prompt_ids: list[int], scored_ids: list[i
     it can run where the weights live (a data-parallel rank: `functools.partial` of it pickles small)."""
     was_training = model.training
     model.eval()
+    greedy, margins = greedy_continuation(model, prompt_ids)
     probe: ProbeRecord = {"token_ids": scored_ids, "logprobs": teacher_forced_logprobs(model, scored_ids),
-                          "prompt_ids": prompt_ids, "greedy_ids": greedy_ids(model, prompt_ids)}
+                          "prompt_ids": prompt_ids, "greedy_ids": greedy, "greedy_margins": margins}
     model.train(was_training)
     return probe
 

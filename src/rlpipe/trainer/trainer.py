@@ -13,7 +13,8 @@
 
 Exact recovery. Publishing version v after step k stores the weights (what inference servers load)
 and, every `sync.recovery_state_every` steps, the optimizer state after step k beside them
-(`train_state_key`, read only by recovery). A trainer whose memory does not hold step s - 1 (a new
+(`train_state_key`, read only by recovery), with the fp32 master weights when the published ones
+are rounded (sync.weights_dtype = "bfloat16"). A trainer whose memory does not hold step s - 1 (a new
 process, another run, a failed step) loads the newest version with trained_steps <= s - 1 whose
 optimizer state is stored (or the base, version 0) and replays steps k + 1 .. s - 1 on their recorded
 batches (`claimed_trajectories`: the groups each committed step claimed; a replay claims nothing).
@@ -32,6 +33,7 @@ without it, re-creates it by the same exact replay and checks its sha256 against
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -59,7 +61,7 @@ from rlpipe.storage import buffer
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.storage.runs import record_failure
-from rlpipe.trainer.engine import Engine, EngineSpec, open_engine, step_seed
+from rlpipe.trainer.engine import Engine, EngineSpec, load_policy, open_engine, step_seed
 from rlpipe.trainer.probe import make_probe, probe_ids
 from rlpipe.trainer.samples import batch_metrics, staleness, to_samples, trajectory_metrics
 from rlpipe.weights.checkpoints import (
@@ -76,6 +78,16 @@ from rlpipe.weights.checkpoints import (
     upload_described,
 )
 from rlpipe.weights.retention import forget_deleted, prune_run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What recovery restores besides the published weights (`train_state_key`; a dict on disk)."""
+
+    optimizer: dict[str, Any]
+    master_weights: dict[str, torch.Tensor] | None = None
+    """The fp32 weights, when the published ones are rounded to a smaller dtype."""
+
 
 log = logging.getLogger("rlpipe.trainer")
 Heartbeat = Callable[[], None]
@@ -193,8 +205,16 @@ class Trainer:
                  f", re-creating lost version(s) {sorted(v.version for v in lost.values())}" if lost else "")
         directory = local_version_dir(self.work_dir, run_id, base.version)
         download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
-        optimizer_state = self._load_train_state(run_id, base.trained_steps) if base.trained_steps > 0 else None
-        self._open(ctx, directory, optimizer_state, base.trained_steps)
+        if base.trained_steps == 0:  # the base model itself: a rounded version 0 is not what step 1 started from
+            self._open(ctx, ctx.model_dir, None, 0)
+        else:
+            state = self._load_train_state(run_id, base.trained_steps)
+            if state.master_weights is None:
+                self._open(ctx, directory, state.optimizer, base.trained_steps)
+            else:
+                with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:  # the engine reads it once
+                    save_checkpoint(state.master_weights, Path(tmp), ctx.model_dir)
+                    self._open(ctx, Path(tmp), state.optimizer, base.trained_steps)
         for replay in range(base.trained_steps + 1, step + 1):
             self._apply(ctx, replay)
             if replay in lost:
@@ -235,7 +255,8 @@ class Trainer:
         self.engine = open_engine(EngineSpec(base_dir=ctx.model_dir, weights_dir=weights_dir,
                                              optimizer_state=optimizer_state, loss=cfg.loss, optim=cfg.optim,
                                              world_size=cfg.batch.world_size, epochs=cfg.batch.epochs,
-                                             activation_checkpointing=cfg.batch.activation_checkpointing))
+                                             activation_checkpointing=cfg.batch.activation_checkpointing,
+                                             precision=cfg.batch.precision))
         self.run_id, self.applied_step = cfg.name, step
 
     def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
@@ -284,12 +305,12 @@ class Trainer:
         earlier = [k for k in stored_train_states(self.store, cfg.name) if k < trained_steps]
         return trained_steps - max(earlier, default=0) >= cfg.sync.recovery_state_every
 
-    def _load_train_state(self, run_id: str, step: int) -> dict[str, Any]:
-        """The optimizer state stored when the version of step `step` was published."""
+    def _load_train_state(self, run_id: str, step: int) -> TrainState:
+        """The recovery state stored when the version of step `step` was published."""
         with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
             path = Path(tmp) / "train-state.pt"
             self.store.get_file(train_state_key(run_id, step), path)
-            return torch.load(path, weights_only=True)
+            return TrainState(**torch.load(path, weights_only=True))
 
     # -- publishing and committing ------------------------------------------------------------------
     def _publish(self, ctx: RunContext, version: int, trained_steps: int, timings: dict[str, float] | None = None,
@@ -305,10 +326,13 @@ class Trainer:
         with timed(timings, "upload_wait_s"):
             self._finish_upload()  # the previous version durable first; its train state counts below
         cached = local_version_dir(self.work_dir, run_id, version)
+        rounded = ctx.config.sync.weights_dtype != "float32"
         with timed(timings, "save_s"):
+            weights = self.engine.state_dict()   # gathered once: a sharded engine's gather is a collective
             with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
                 directory = Path(tmp) / "checkpoint"
-                saved = save_checkpoint(self.engine.state_dict(), directory, ctx.model_dir)
+                saved = save_checkpoint(weights, directory, ctx.model_dir,
+                                        getattr(torch, ctx.config.sync.weights_dtype) if rounded else None)
                 shutil.rmtree(cached, ignore_errors=True)  # a failed try's files: replaced by this step's
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 directory.rename(cached)  # whole or not at all (same filesystem)
@@ -321,10 +345,17 @@ class Trainer:
         if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
             with timed(timings, "train_state_s"):
                 state_file = cached.parent / f".train-state-v{version:06d}.pt"
-                torch.save(self.engine.optimizer_state_dict(), state_file)
+                state = TrainState(self.engine.optimizer_state_dict(), weights if rounded else None)
+                torch.save(vars(state), state_file)
+        del weights
         with timed(timings, "probe_s"):
+            # what a faithful server must reproduce: the published bytes forwarded in fp32 (the live
+            # model when it computes in fp32 on unrounded weights, otherwise the file just written),
+            # so the bound depends on the server's dtype alone (weights/tolerance.py)
             prompt, scored = probe_ids(ctx.tokenizer)
-            probe = self.engine.evaluate(functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored))
+            probe_of = functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored)
+            live = ctx.config.batch.precision == "fp32" and not rounded
+            probe = self.engine.evaluate(probe_of) if live else probe_of(load_policy(cached))
         job = functools.partial(self._upload, manifest, cached, state_file)
         if background:
             self.upload = self.uploader.submit(job), job

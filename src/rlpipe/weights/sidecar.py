@@ -42,6 +42,7 @@ from rlpipe.weights.checkpoints import download_checkpoint, local_version_dir, w
 from rlpipe.weights.labels import published_label, published_version, verifying_label
 from rlpipe.weights.retention import forget_deleted
 from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
+from rlpipe.weights.tolerance import probe_tolerance
 
 log = logging.getLogger("rlpipe.sidecar")
 
@@ -155,7 +156,7 @@ class Sidecar:
         try:
             previous = await self._rollback_target(held, run_id)
             plan = SyncPlan(version, directory, target.probe, label, previous, config.pause_mode,
-                            config.verify_tolerance if config.verify else None)
+                            await self._tolerance(config) if config.verify else None)
             async with InferenceClient(self.url, self.model_name) as client:
                 outcome = await load_into_server(self.admin, client, plan, attempt.record)
         except InferenceError as exc:
@@ -283,6 +284,12 @@ class Sidecar:
                 self._configs[run_id] = load_run_config(s, run_id).sync
         return self._configs[run_id]
 
+    async def _tolerance(self, config: SyncConfig) -> float:
+        """The run's sync.verify_tolerance, or the one this server's dtype calls for."""
+        if config.verify_tolerance is not None:
+            return config.verify_tolerance
+        return probe_tolerance(await self.admin.served_dtype())
+
     def _record_superseded(self, run_id: str, version: int, held: int) -> None:
         with self.db.begin() as s:
             syncs.record_superseded(s, run_id, version, self.server, held, datetime.now(UTC))
@@ -324,8 +331,8 @@ class _Attempt:
         """The attempt's sync_events row, and a failures row (with the numbers) if it failed."""
         server, target = self.sidecar.server, self.target
         record = syncs.SyncRecord(target.run_id, target.version, server, outcome.status, outcome.bytes,
-                                  dict(outcome.timings), outcome.probe_max_abs_diff, outcome.greedy_match,
-                                  outcome.error, self.started_at, datetime.now(UTC))
+                                  dict(outcome.timings), outcome.probe_max_abs_diff, outcome.probe_tolerance,
+                                  outcome.greedy_match, outcome.error, self.started_at, datetime.now(UTC))
         with self.sidecar.db.begin() as s:
             attempt = syncs.record_sync(s, record)
             if outcome.status == "ok":
@@ -336,6 +343,7 @@ class _Attempt:
                            activity_id=sync_failure_id(server, target.version), attempt=attempt,
                            details={"server": server, "version": target.version,
                                     "probe_max_abs_diff": outcome.probe_max_abs_diff,
+                                    "probe_tolerance": outcome.probe_tolerance,
                                     "greedy_match": outcome.greedy_match, **outcome.timings})
 
     async def finish(self) -> None:

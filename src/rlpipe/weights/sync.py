@@ -18,6 +18,7 @@ Why each rule:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class SyncOutcome:
     bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     probe_max_abs_diff: float | None = None
+    probe_tolerance: float | None = None
     greedy_match: bool | None = None
     error: str | None = None
     """What went wrong, or why an ok verification proves less than usual (inconclusive)."""
@@ -98,8 +100,8 @@ async def load_into_server(admin: InferenceAdmin, client: InferenceClient, plan:
             await admin.update_weight_version(published_label(plan.version))
         return outcome
     checked = time.monotonic()
-    outcome.probe_max_abs_diff = await probe_logprob_diff(client, plan.probe)
-    outcome.greedy_match = await probe_greedy_matches(client, plan.probe)
+    outcome.probe_max_abs_diff, outcome.probe_tolerance = await probe_logprob_diff(client, plan.probe), plan.tolerance
+    outcome.greedy_match = await probe_greedy_matches(client, plan.probe, plan.tolerance)
     outcome.timings["verify_s"] = time.monotonic() - checked
     mismatch = _mismatch(outcome, plan.tolerance)
     if mismatch:
@@ -140,11 +142,21 @@ async def probe_logprob_diff(client: InferenceClient, probe: dict) -> float:
     return max(abs(a - b) for a, b in zip(served, probe["logprobs"], strict=True))
 
 
-async def probe_greedy_matches(client: InferenceClient, probe: dict) -> bool:
-    """Does the server's greedy continuation of the probe prompt equal the trainer's?"""
+async def probe_greedy_matches(client: InferenceClient, probe: dict, tolerance: float = 0.0) -> bool:
+    """Does the server's greedy continuation of the probe prompt equal the trainer's, up to the first
+    token the trainer chose by a margin of at most 2 x `tolerance` (a near-tie that logprobs within
+    the tolerance may break either way; after it the continuations may rightly part)?"""
     served = await client.complete(probe["prompt_ids"], max_tokens=len(probe["greedy_ids"]), temperature=0.0,
                                    ignore_eos=True)
-    return served.token_ids == probe["greedy_ids"]
+    comparable = comparable_greedy_tokens(probe, tolerance)
+    return served.token_ids[:comparable] == probe["greedy_ids"][:comparable]
+
+
+def comparable_greedy_tokens(probe: dict, tolerance: float) -> int:
+    """How many leading greedy tokens of `probe` a server within `tolerance` must reproduce: those
+    before the first near-tie (all of them for a probe recorded without margins)."""
+    margins = probe.get("greedy_margins") or [math.inf] * len(probe["greedy_ids"])
+    return next((i for i, margin in enumerate(margins) if margin <= 2 * tolerance), len(margins))
 
 
 def probe_movement(probe: dict | None, previous: dict | None) -> float | None:
