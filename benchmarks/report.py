@@ -289,10 +289,41 @@ def sharded_section(d: dict[str, Any]) -> str:
                "largest gathered unit"], large)])
 
 
+def sync_precision_section(d: dict[str, Any]) -> str:
+    """Per model and (server dtype, published dtype): the probe difference of a faithful load and of each
+    wrong one against the probe the trainer records, judged by the bound the server's dtype gets."""
+    from rlpipe.weights.tolerance import probe_tolerance
+
+    wrong = list(d["params"]["plan"])
+    labels = [w["label"] for w in wrong if w["wrong"]]
+    rows, spread = [], []
+    for model, m in d["models"].items():
+        for config, c in m["summary"].items():
+            ref, bound = c["reference"], probe_tolerance(c["server"])
+            cells = [f"**{v:.1e}**" if v > bound else f"{v:.1e}" for v in (ref["wrong"][x] for x in labels)]
+            rows.append([model, config, c["server"], c["published"], f"{ref['right']:.1e}", *cells, f"{bound:g}"])
+        s1 = m["summary"]["S1"]["right"]
+        spread.append([model, *(f"{s1[side]['max_abs_diff']:.1e}" for side in ("autocast-bf16", "bf16-params"))])
+    return "\n".join([
+        header(d), "A vLLM server per dtype, loaded through the sync path (pause, reload, prefix-cache reset, "
+        "resume) with each state published in fp32 or bf16, and asked what a sync asks: the max |server - "
+        "trainer| teacher-forced logprob over the probe's tokens, against the probe the trainer records (the "
+        "fp32 forward of the published bytes). Wrong states (SmolLM2's tensors; the tiny model's are its own "
+        "middle layers'): " + "; ".join(
+            f"{k} = {v}" for k, v in next(iter(d["models"].values()))["wrong_tensors"].items())
+        + "; previous-version = the weights one 1e-5 random-sign step behind. **Bold**: above the bound the "
+        "server's dtype gets (weights/tolerance.py), so the sync rolls it back.\n",
+        table(["model", "", "server", "published", "faithful load", *labels, "bound"], rows), "",
+        "Why the probe is not the trainer's own bf16 forward: against the fp32 server's faithful fp32 load, "
+        "a bf16 trainer's probe is this far off (autocast in one process; bf16 parameters as FSDP2 gathers "
+        "them):", "", table(["model", "autocast", "bf16 parameters"], spread)])
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ("1. Async vs the synchronous baseline", "async_vs_sync", async_section),
     ("2. Orchestration overhead: Temporal vs bare asyncio", "orchestration", orchestration_section),
     ("3. Weight sync end to end vs the raw byte copy", "weight_sync", weight_sync_section),
+    ("3b. Sync verification by dtype", "sync_precision", sync_precision_section),
     ("4. Trainer efficiency", "trainer_efficiency", trainer_section),
     ("4b. Trainer efficiency, SmolLM2-135M", "trainer_efficiency_smollm2", trainer_section),
     ("4c. Sharded trainer: memory per rank and step time", "sharded_trainer", sharded_section),
