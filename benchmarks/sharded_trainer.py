@@ -54,14 +54,16 @@ def held_bytes(model: Any) -> dict[str, float]:
     return {"model_state_bytes": float(local * 4), "peak_rss_bytes": float(peak_kib * 1024)}
 
 
-def batch(step: int) -> list[Any]:
+def batch(step: int, vocab_size: int = 40000) -> list[Any]:
+    """Step `step`'s synthetic batch: 8 sequences (2 groups) of 64 prompt + 64 completion tokens."""
     import torch
 
     from rlpipe.rl.batch import Sample
 
     g = torch.Generator().manual_seed(step)
-    return [Sample(torch.randint(10, 40000, (64,), generator=g).tolist(), torch.randint(10, 40000, (64,), generator=g)
-                   .tolist(), [1] * 64, [-2.0] * 64, float(i % 2), f"g{i // 4}", 0) for i in range(8)]
+    return [Sample(torch.randint(10, vocab_size, (64,), generator=g).tolist(),
+                   torch.randint(10, vocab_size, (64,), generator=g).tolist(), [1] * 64, [-2.0] * 64, float(i % 2),
+                   f"g{i // 4}", 0) for i in range(8)]
 
 
 def measure(world_size: int, steps: int) -> dict[str, Any]:
