@@ -490,14 +490,16 @@ def check_sync_verification(f: RunFacts) -> Finding:
     by_status = {status: sum(1 for s in f.syncs if s.status == status)
                  for status in ("ok", "failed", "rolled_back", "refused")}
     diffs = [s.probe_max_abs_diff for s in f.syncs if s.probe_max_abs_diff is not None]
-    evidence: dict[str, float | int | str] = {**by_status, "probe_max_abs_diff": _r(max(diffs), 4) if diffs else "-"}
+    bounds = [s.probe_tolerance for s in f.syncs if s.probe_tolerance is not None]
+    evidence: dict[str, float | int | str] = {**by_status, "probe_max_abs_diff": _r(max(diffs), 4) if diffs else "-",
+                                              "probe_tolerance": max(bounds) if bounds else "-"}
     rejected = by_status["rolled_back"] + by_status["refused"]
     if rejected:
         return Finding(SYNC_VERIFICATION, "problem", evidence,
                        f"{rejected} syncs failed verification (rolled back or refused): a server's logprobs did not "
                        "match the trainer's on the probe", "inspect sync_events.error; check the checkpoint's "
-                       "dtype/format and the prefix-cache reset; raise sync.verify_tolerance only if the diff is "
-                       "numerical noise")
+                       "dtype/format and the prefix-cache reset; set sync.verify_tolerance only if the diff is "
+                       "numerical noise of a server dtype without a measured bound (weights/tolerance.py)")
     if by_status["failed"]:
         return Finding(SYNC_VERIFICATION, "warn", evidence, f"{by_status['failed']} syncs failed and were retried",
                        "inspect sync_events.error and the sidecar's log")

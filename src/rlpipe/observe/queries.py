@@ -477,6 +477,8 @@ class SyncRow:
     verify_s: float | None
     total_s: float | None
     probe_max_abs_diff: float | None
+    probe_tolerance: float | None
+    """The bound the verification held probe_max_abs_diff to (weights/tolerance.py)."""
     error: str | None
     started_at: datetime
     finished_at: datetime
@@ -486,7 +488,7 @@ def sync_timings(s: Session, run_id: str) -> list[SyncRow]:
     """Every sync event, in the order they started."""
     rows = _rows(s, """
         select version, server, status, bytes, attempts, download_s, pause_s, reload_s, verify_s, total_s,
-               probe_max_abs_diff, error, started_at, finished_at
+               probe_max_abs_diff, probe_tolerance, error, started_at, finished_at
         from sync_events where run_id = :run order by started_at, server""", run=run_id)
     return [SyncRow(*row) for row in rows]
 
