@@ -3,9 +3,10 @@ tensor moves it: the numbers a weight sync's verification tolerance (`sync.verif
 derived from. docs/vllm-cpu-notes.md has the fp32-on-both-sides numbers behind today's 2e-4.
 
 The probe is what a sync verifies (trainer/probe.py, weights/sync.py): the teacher-forced logprobs
-of a fixed chat and its 16-token greedy continuation. Per served state this asks the server exactly
-what the sync asks: `probe_logprob_diff` (max |server - trainer| over the probe tokens, prompt
-logprobs) and `probe_greedy_matches`, against each trainer side's probe of the same weights.
+of a fixed chat and its 16-token greedy continuation. Per served state this asks the server what
+the sync asks: `probe_logprob_diff` (max |server - trainer| over the probe tokens, prompt logprobs)
+and `probe_greedy_matches` (here strict, every token, where the sync stops at the first near-tie),
+against each trainer side's probe of the same weights.
 
 Trainer sides, transformers on the fp32 weights (`make_probe`):
   fp32            fp32 compute                                                        (T1)

@@ -121,7 +121,8 @@ class SyncConfig(Strict):
     """Largest allowed |server - trainer| logprob difference on the probe tokens. None: derived from
     the dtype each server computes in (weights/tolerance.py): 2e-4 for fp32 servers (a faithful load
     differs by ~1e-5 from the trainer's probe, the fp32 forward of the published bytes), 1.0 for
-    bf16 servers (their own rounding moves it by up to ~0.4: only gross errors are caught)."""
+    bf16 and fp16 servers (bf16's own rounding moves it by up to ~0.4: only gross errors are
+    caught). A server in any other dtype refuses the load until this is set."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype of the published inference weights. bfloat16 halves what every sync moves; the
     trainer's fp32 master weights then travel in the optimizer's recovery state, so a restore

@@ -387,7 +387,8 @@ class SyncEvent(Base):
     probe_tolerance: Mapped[float | None] = mapped_column(Float)
     """The largest difference the verification allowed (weights/tolerance.py); null when not verified."""
     greedy_match: Mapped[bool | None]
-    """Whether the server's greedy continuation of the probe equals the trainer's."""
+    """Whether the server's greedy continuation of the probe equals the trainer's up to its first
+    near-tie (weights/sync.py); null when not verified or when the first token is one."""
     error: Mapped[str | None]
     started_at: Mapped[datetime]
     finished_at: Mapped[datetime]

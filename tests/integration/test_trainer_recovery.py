@@ -187,6 +187,7 @@ def _wait_to_be_killed() -> None:
 class FinalState:
     weights: Weights                 # published after the last step
     optimizer: dict                  # stored beside them for recovery
+    master_weights: Weights | None   # and the fp32 weights, when the published ones are rounded
     weights_before: Weights          # published one checkpoint earlier (step STEPS - 1)
 
 
@@ -206,9 +207,9 @@ def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path, with_b
         return load_state_dict(directory)
 
     store.get_file(train_state_key(run_id, STEPS), tmp / f"{run_id}-optimizer.pt")
-    optimizer = torch.load(tmp / f"{run_id}-optimizer.pt", weights_only=True)["optimizer"]
+    stored = torch.load(tmp / f"{run_id}-optimizer.pt", weights_only=True)
     final = weights(last)
-    return FinalState(final, optimizer, weights(last - 1) if with_before else final)
+    return FinalState(final, stored["optimizer"], stored["master_weights"], weights(last - 1) if with_before else final)
 
 
 def max_abs_diff(a: Weights, b: Weights) -> float:
@@ -225,6 +226,9 @@ def assert_same_final_state(got: FinalState, want: FinalState) -> None:
     assert max_abs_diff(got.weights, want.weights) <= TOLERANCE
     assert optimizer_tensors(want.optimizer), "the optimizer state was stored"
     assert max_abs_diff(optimizer_tensors(got.optimizer), optimizer_tensors(want.optimizer)) <= TOLERANCE
+    assert (got.master_weights is None) == (want.master_weights is None)
+    if want.master_weights is not None and got.master_weights is not None:
+        assert max_abs_diff(got.master_weights, want.master_weights) <= TOLERANCE
     # the check can fail: the last step alone moved the weights by far more than the tolerance
     assert max_abs_diff(want.weights, want.weights_before) > 1000 * TOLERANCE
 
@@ -280,6 +284,9 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     stored with the optimizer state (or the base model, for version 0): from the rounded ones, the
     replayed steps end elsewhere."""
     baseline, want = uninterrupted(world_size, several_updates, bf16)
+    # fp32 master weights travel with the optimizer state exactly when the published weights are rounded
+    assert (want.master_weights is not None) == bf16
+    assert want.master_weights is None or {t.dtype for t in want.master_weights.values()} == {torch.float32}
     cfg = new_run(migrated_db, tiny_model, world_size, several_updates, bf16=bf16)
     for steps in (range(1, 2), range(2, 4), range(4, 5), range(5, STEPS + 1)):   # thrown away after 1, 3 and 4
         trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}",

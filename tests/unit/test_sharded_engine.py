@@ -17,7 +17,7 @@ from rlpipe.policy.checkpoint import save_checkpoint
 from rlpipe.rl.batch import Sample
 from rlpipe.rl.batching import plan_updates
 from rlpipe.schemas.algorithm import AdvantageConfig, BatchConfig, LossConfig, OptimConfig, Precision
-from rlpipe.trainer.engine import Engine, EngineSpec, LocalEngine, RankEngine, step_seed
+from rlpipe.trainer.engine import Engine, EngineSpec, LocalEngine, RankEngine, compute_in, step_seed
 
 TINY = LlamaConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -171,3 +171,13 @@ def test_bf16_compute_keeps_fp32_master_weights_and_takes_the_fp32_step(model_di
     assert torch.nn.functional.cosine_similarity(update, fp32_update, dim=0) > 0.95
     # and bf16 really computed: fp32 takes the step to ~1e-6
     assert 1e-3 < relative_error(update, fp32_update) < 0.3
+
+
+def test_bf16_compute_covers_the_output_layer_called_alone() -> None:
+    """The chunked logits call the output layer outside the model's forward: it must compute in bf16 too."""
+    torch.manual_seed(0)
+    model = compute_in(LlamaForCausalLM._from_config(TINY, dtype=torch.float32), "bf16")
+    ids = torch.randint(0, 64, (1, 5))
+    assert model(input_ids=ids).logits.dtype == torch.bfloat16
+    assert model.get_output_embeddings()(torch.randn(3, 32)).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32

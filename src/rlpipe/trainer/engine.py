@@ -6,7 +6,7 @@ The trainer talks to one small interface, whatever `batch.world_size` is:
     metrics = engine.step(updates, seed)     # a train step: `batching.plan_updates` plans, `epochs` passes
     engine.state_dict()                      # CPU copy of the weights: what is published
     engine.optimizer_state_dict()            # CPU copy of the optimizer: what recovery needs
-    engine.evaluate(fn)                      # fn(policy) on the live weights (the probe)
+    engine.evaluate(fn)                      # fn(policy) on the live weights (e.g. the probe)
     engine.close()
 
 `LocalEngine` (world_size 1) holds the model in this process (on cuda:0 when there is a GPU);
@@ -65,8 +65,9 @@ def load_reference(base_dir: Path) -> nn.Module:
 def compute_in(model: nn.Module, precision: Precision) -> nn.Module:
     """`model` whose forward passes (its output layer's alone too: the chunked logits call it) run
     under autocast in bf16: matmuls in bf16 over the fp32 weights, which stay the optimizer's master
-    copy; the backward pass follows the forward's dtypes. fp32: `model` unchanged. (Ranks get the
-    same from FSDP2's mixed-precision policy, rl/distributed.shard.)"""
+    copy; the backward pass follows the forward's dtypes. fp32: `model` unchanged. (Ranks compute in
+    bf16 through FSDP2's mixed-precision policy instead, rl/distributed.shard, which rounds the
+    gathered parameters themselves, norms and embedding included: the two round differently.)"""
     if precision == "bf16":
         device_type = next(model.parameters()).device.type
         for module in (model, cast(WithOutputLayer, model).get_output_embeddings()):

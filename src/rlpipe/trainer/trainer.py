@@ -88,6 +88,12 @@ class TrainState:
     master_weights: dict[str, torch.Tensor] | None = None
     """The fp32 weights, when the published ones are rounded to a smaller dtype."""
 
+    @classmethod
+    def read(cls, stored: dict[str, Any]) -> TrainState:
+        """The state from what torch.load returns; states stored before master weights could travel
+        with it are the optimizer state alone."""
+        return cls(**stored) if "optimizer" in stored else cls(stored)
+
 
 log = logging.getLogger("rlpipe.trainer")
 Heartbeat = Callable[[], None]
@@ -203,13 +209,13 @@ class Trainer:
         log.info("restoring run %s: version %d (step %d), replaying steps %d..%d%s", run_id, base.version,
                  base.trained_steps, base.trained_steps + 1, step,
                  f", re-creating lost version(s) {sorted(v.version for v in lost.values())}" if lost else "")
-        directory = local_version_dir(self.work_dir, run_id, base.version)
-        download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
         if base.trained_steps == 0:  # the base model itself: a rounded version 0 is not what step 1 started from
             self._open(ctx, ctx.model_dir, None, 0)
         else:
             state = self._load_train_state(run_id, base.trained_steps)
-            if state.master_weights is None:
+            if state.master_weights is None:  # the published weights are the master weights
+                directory = local_version_dir(self.work_dir, run_id, base.version)
+                download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
                 self._open(ctx, directory, state.optimizer, base.trained_steps)
             else:
                 with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:  # the engine reads it once
@@ -310,13 +316,13 @@ class Trainer:
         with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
             path = Path(tmp) / "train-state.pt"
             self.store.get_file(train_state_key(run_id, step), path)
-            return TrainState(**torch.load(path, weights_only=True))
+            return TrainState.read(torch.load(path, weights_only=True))
 
     # -- publishing and committing ------------------------------------------------------------------
     def _publish(self, ctx: RunContext, version: int, trained_steps: int, timings: dict[str, float] | None = None,
                  *, background: bool = False, expect_sha256: str | None = None) -> tuple[Manifest, dict]:
         """Save the engine's weights as `version` into this machine's cache, hash them, probe them
-        (the trainer's reference logprobs, computed where the weights live) and upload them, with the
+        (the reference logprobs a server must reproduce: the fp32 forward of the saved bytes) and upload them, with the
         optimizer state where the recovery policy asks for it (recovery only: never part of the
         inference checkpoint); with `background` the upload runs beside the next step. A re-created
         version (`expect_sha256`) must have the committed weights' bytes. `timings` gets the seconds
@@ -345,9 +351,9 @@ class Trainer:
         if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
             with timed(timings, "train_state_s"):
                 state_file = cached.parent / f".train-state-v{version:06d}.pt"
-                state = TrainState(self.engine.optimizer_state_dict(), weights if rounded else None)
-                torch.save(vars(state), state_file)
-        del weights
+                torch.save(vars(TrainState(self.engine.optimizer_state_dict(), weights if rounded else None)),
+                           state_file)
+        del weights   # before the probe, which may load a model of its own
         with timed(timings, "probe_s"):
             # what a faithful server must reproduce: the published bytes forwarded in fp32 (the live
             # model when it computes in fp32 on unrounded weights, otherwise the file just written),

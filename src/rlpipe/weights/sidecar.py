@@ -42,7 +42,7 @@ from rlpipe.weights.checkpoints import download_checkpoint, local_version_dir, w
 from rlpipe.weights.labels import published_label, published_version, verifying_label
 from rlpipe.weights.retention import forget_deleted
 from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
-from rlpipe.weights.tolerance import probe_tolerance
+from rlpipe.weights.tolerance import UnmeasuredDtype, probe_tolerance
 
 log = logging.getLogger("rlpipe.sidecar")
 
@@ -154,11 +154,15 @@ class Sidecar:
             await attempt.record(outcome)
             return self._observed(target, outcome)
         try:
+            tolerance = await self._tolerance(config) if config.verify else None
             previous = await self._rollback_target(held, run_id)
-            plan = SyncPlan(version, directory, target.probe, label, previous, config.pause_mode,
-                            await self._tolerance(config) if config.verify else None)
+            plan = SyncPlan(version, directory, target.probe, label, previous, config.pause_mode, tolerance)
             async with InferenceClient(self.url, self.model_name) as client:
                 outcome = await load_into_server(self.admin, client, plan, attempt.record)
+        except UnmeasuredDtype as exc:  # the run must name a bound: every retry would meet the same server
+            refused = SyncOutcome(status="refused", error=f"refused before pausing the server: {exc}")
+            await attempt.record(refused)
+            return self._observed(target, refused)
         except InferenceError as exc:
             self.held = None
             failed = SyncOutcome(status="failed",

@@ -142,21 +142,24 @@ async def probe_logprob_diff(client: InferenceClient, probe: dict) -> float:
     return max(abs(a - b) for a, b in zip(served, probe["logprobs"], strict=True))
 
 
-async def probe_greedy_matches(client: InferenceClient, probe: dict, tolerance: float = 0.0) -> bool:
+async def probe_greedy_matches(client: InferenceClient, probe: dict, tolerance: float = 0.0) -> bool | None:
     """Does the server's greedy continuation of the probe prompt equal the trainer's, up to the first
-    token the trainer chose by a margin of at most 2 x `tolerance` (a near-tie that logprobs within
-    the tolerance may break either way; after it the continuations may rightly part)?"""
-    served = await client.complete(probe["prompt_ids"], max_tokens=len(probe["greedy_ids"]), temperature=0.0,
-                                   ignore_eos=True)
+    near-tie (`comparable_greedy_tokens`)? None when the very first token is one: no evidence."""
     comparable = comparable_greedy_tokens(probe, tolerance)
-    return served.token_ids[:comparable] == probe["greedy_ids"][:comparable]
+    if comparable == 0:
+        return None
+    served = await client.complete(probe["prompt_ids"], max_tokens=comparable, temperature=0.0, ignore_eos=True)
+    return served.token_ids == probe["greedy_ids"][:comparable]
 
 
 def comparable_greedy_tokens(probe: dict, tolerance: float) -> int:
     """How many leading greedy tokens of `probe` a server within `tolerance` must reproduce: those
-    before the first near-tie (all of them for a probe recorded without margins)."""
+    before the first near-tie, a token that leads the runner-up by at most `tolerance` (all of them
+    for a probe recorded without margins). The bounds are ~3x a faithful server's worst logprob
+    noise (weights/tolerance.py), so a faithful server's gap between two logits is off by at most
+    ~2/3 of the bound and cannot flip a token that leads by more."""
     margins = probe.get("greedy_margins") or [math.inf] * len(probe["greedy_ids"])
-    return next((i for i, margin in enumerate(margins) if margin <= 2 * tolerance), len(margins))
+    return next((i for i, margin in enumerate(margins) if margin <= tolerance), len(margins))
 
 
 def probe_movement(probe: dict | None, previous: dict | None) -> float | None:
@@ -176,11 +179,14 @@ def _mismatch(outcome: SyncOutcome, tolerance: float) -> str | None:
 
 
 def _inconclusive(plan: SyncPlan) -> str | None:
-    """A note when the check could not have told the new weights from the previous ones."""
+    """A note when the check could not have told the new weights from the previous ones: the probe's
+    logprobs moved less than the bound and its compared greedy tokens did not change."""
     moved = probe_movement(plan.probe, plan.previous.probe)
-    same_greedy = plan.previous.probe is not None and plan.probe is not None and \
-        plan.previous.probe["greedy_ids"] == plan.probe["greedy_ids"]
-    if moved is None or moved > (plan.tolerance or 0) or not same_greedy:
+    if moved is None or moved > (plan.tolerance or 0):
+        return None
+    assert plan.probe is not None and plan.previous.probe is not None  # probe_movement compared them
+    compared = comparable_greedy_tokens(plan.probe, plan.tolerance or 0)
+    if plan.previous.probe["greedy_ids"][:compared] != plan.probe["greedy_ids"][:compared]:
         return None
     return (f"inconclusive: the trainer's probe moved only {moved:.2e} since {plan.previous.label} (tolerance "
             f"{plan.tolerance}), so the check cannot tell the two apart; both agree with version {plan.version}")
