@@ -76,6 +76,7 @@ class TrainingRunWorkflow:
         self.pauses_on_failures = False
         self.routes_by_load = False
         self.reroutes = False  # groups leave a server that goes down (runs started before: they stay)
+        self.moving_off: set[str] = set()  # drained servers whose groups have not all heard of their move yet
 
     # -- the run ------------------------------------------------------------------------------------
     @workflow.run
@@ -260,23 +261,26 @@ class TrainingRunWorkflow:
         if self.reroutes:
             self._reroute_stranded_groups()
 
-    def _reroute_stranded_groups(self, leaving: str | None = None) -> None:
+    def _reroute_stranded_groups(self, leaving: str | None = None) -> list[asyncio.Task[None]]:
         """Move the groups in flight on servers that are down (or on `leaving`) to the least loaded
         of the freshest servers up; each group's model call in flight is made again there. With no
-        server up they stay (their calls are retried) until one comes back."""
+        server up they stay (their calls are retried) until one comes back. Returns the signals'
+        deliveries: once one is done, that group makes no new call on its old server."""
         s = self.state
         load = self._server_load()
         up = self._routable_steps()
+        deliveries = []
         for index, server in sorted(s.in_flight_servers.items()):
             if server in s.server_versions and server != leaving:
                 continue
             target = least_loaded_freshest(up, load, index)
             if target is None:
-                return
+                break
             load[server], load[target] = load[server] - 1, load[target] + 1
             s.in_flight_servers[index] = target
             s.groups_rerouted += 1
-            asyncio.create_task(self._reroute(index, target))
+            deliveries.append(asyncio.create_task(self._reroute(index, target)))
+        return deliveries
 
     async def _reroute(self, index: int, server: str) -> None:
         group = workflow.get_external_workflow_handle(f"{workflow.info().workflow_id}-group-{index}")
@@ -459,13 +463,20 @@ class TrainingRunWorkflow:
             raise ApplicationError(f"run {self.config.name} is not paused")
 
     @workflow.update
-    def drain_server(self, request: DrainRequest) -> RunStatus:
+    async def drain_server(self, request: DrainRequest) -> RunStatus:
         """Take a server out of the run: no new groups or loads go to it, and it leaves the run
-        (status `left_servers`: safe to stop) once its groups in flight have finished there, or at
-        once with `move`, which sends them to the other servers."""
+        (status `left_servers`: safe to stop) once its groups in flight have finished there, or with
+        `move` as soon as each has been told to move to another server (its next model call, or the
+        one in flight, goes there; a group that has not heard yet could still start one on it)."""
         self.state.draining.append(request.server)
         if request.move:
-            self._reroute_stranded_groups(leaving=request.server)
+            deliveries = self._reroute_stranded_groups(leaving=request.server)
+            if workflow.patched("drain-after-groups-moved"):
+                self.moving_off.add(request.server)
+                try:
+                    await asyncio.gather(*deliveries)
+                finally:
+                    self.moving_off.discard(request.server)
         self._let_drained_servers_leave()
         return self.status()
 
@@ -522,7 +533,7 @@ class TrainingRunWorkflow:
     def _let_drained_servers_leave(self) -> None:
         """Draining servers with no group left on them leave the run's servers."""
         s, load = self.state, self._server_load()
-        for server in [name for name in s.draining if not load[name]]:
+        for server in [name for name in s.draining if not load[name] and name not in self.moving_off]:
             s.draining.remove(server)
             s.servers.remove(server)
             if server in s.joining:

@@ -303,8 +303,10 @@ async def test_a_server_drained_with_move_hands_its_groups_over_at_once(temporal
         await until(lambda: "1" in books.generated_on, "a model call on server 1", timeout_s=30)
         status = await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("1", move=True))
         assert status.left_servers == ["1"] and status.groups_rerouted >= 1
+        calls_on_1 = books.generated_on.count("1")   # it has left: each of its groups was told to move first
         result = await finished(handle)
     assert result.steps == 3 and result.groups_failed == 0
+    assert books.generated_on.count("1") == calls_on_1, "a model call started on server 1 after it left"
 
 
 async def test_draining_an_unknown_or_the_last_server_is_refused(temporal_client: Client) -> None:
