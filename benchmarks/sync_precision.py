@@ -43,12 +43,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -196,9 +193,9 @@ class Server:
 
 @contextmanager
 def vllm_server(model_dir: Path, dtype: ServerDtype, log_path: Path) -> Iterator[Server]:
-    """One vLLM server on a free port, in its own process group, always stopped (the group: its
-    engine core process too)."""
-    from rlpipe.infra.process import free_port
+    """One vLLM server on a free port in a session of its own (`infra.process.spawn`), always stopped
+    with its whole session (its engine core process too)."""
+    from rlpipe.infra.process import free_port, spawn, stop
     from rlpipe.infra.vllm import vllm_command, wait_healthy
 
     port, token = free_port(), secrets.token_urlsafe(32)
@@ -206,24 +203,11 @@ def vllm_server(model_dir: Path, dtype: ServerDtype, log_path: Path) -> Iterator
     context = min(MAX_MODEL_LEN, json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
     argv, env = vllm_command(model_dir, "127.0.0.1", port, served_model_name=SERVED_MODEL_NAME,
                              max_model_len=context, dtype=dtype, admin_token=token)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   cwd=ROOT)
-        try:
-            yield Server(url, token, wait_healthy(url, STARTUP_TIMEOUT_S, process, log_path))
-        finally:
-            stop(process)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
+    record = spawn(f"vllm-{dtype}", argv, log_path, env=env, cwd=ROOT)
     try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        yield Server(url, token, wait_healthy(url, STARTUP_TIMEOUT_S, log_path=log_path))
+    finally:
+        stop(record, timeout_s=30)
 
 
 async def check(client: InferenceClient, probes: Probes) -> dict[str, Any]:
