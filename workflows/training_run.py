@@ -344,13 +344,28 @@ class TrainingRunWorkflow:
     def _syncing(self) -> bool:
         return any(not task.done() for task in self.syncing.values())
 
+    def _loading(self, server: str) -> bool:
+        """Whether a load into `server`, which is up, is in flight: a drained server leaves the run
+        only after it (a server reported down leaves at once: its load retries until it is back;
+        runs whose drains were recorded before this let it leave at once too)."""
+        loop = self.syncing.get(server)
+        return (loop is not None and not loop.done() and server in self.state.server_versions
+                and workflow.patched("leave-after-last-load"))
+
     async def _keep_in_sync(self, server: str) -> None:
         """Load the newest version into `server` until it holds it (a version published meanwhile
         is the next load, skipping those in between); the first server to verify a version due for
         evaluation evaluates it before it loads another. A failed load (retried for sync.timeout_s)
         ends the loop unless a newer version was published meanwhile (the failed one may have been
         deleted by the retention policy for it): the next publish starts it again, and the server's
-        sidecar restores the newest version when the server comes back."""
+        sidecar restores the newest version when the server comes back. A server drained meanwhile
+        may leave the run once the loop ends."""
+        await self._catch_up(server)
+        if server in self.state.draining:
+            self.syncing.pop(server, None)
+            self._let_drained_servers_leave()
+
+    async def _catch_up(self, server: str) -> None:
         while server not in self.state.draining and \
                 (version := self.state.version) > self.state.server_versions.get(server, -1):
             if not await self._load(server, version):
@@ -467,7 +482,8 @@ class TrainingRunWorkflow:
         """Take a server out of the run: no new groups or loads go to it, and it leaves the run
         (status `left_servers`: safe to stop) once its groups in flight have finished there, or with
         `move` as soon as each has been told to move to another server (its next model call, or the
-        one in flight, goes there; a group that has not heard yet could still start one on it)."""
+        one in flight, goes there; a group that has not heard yet could still start one on it), and
+        once a load into it that was in flight has ended."""
         self.state.draining.append(request.server)
         if request.move:
             deliveries = self._reroute_stranded_groups(leaving=request.server)
@@ -531,9 +547,10 @@ class TrainingRunWorkflow:
                                    "knowing which server each is on")
 
     def _let_drained_servers_leave(self) -> None:
-        """Draining servers with no group left on them leave the run's servers."""
+        """Draining servers with no group left on them, and no load in flight, leave the run's servers."""
         s, load = self.state, self._server_load()
-        for server in [name for name in s.draining if not load[name] and name not in self.moving_off]:
+        for server in [name for name in s.draining if not load[name] and name not in self.moving_off
+                       and not self._loading(name)]:
             s.draining.remove(server)
             s.servers.remove(server)
             if server in s.joining:

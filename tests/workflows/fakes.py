@@ -87,6 +87,10 @@ class FakeBooks:
     """Servers whose syncs fail (a server that is down)."""
     hung: set[str] = field(default_factory=set)
     """Servers whose model calls never answer (a server that died mid-call), until cancelled."""
+    held_loads: set[str] = field(default_factory=set)
+    """Servers whose loads wait (a slow load) until the server is removed from the set."""
+    loads_started: list[tuple[str, int]] = field(default_factory=list)
+    """(server, version) of every load as it starts, in order."""
     refused: set[int] = field(default_factory=set)
     """Versions whose syncs are refused after REFUSE_DELAY_S (deleted by the retention policy)."""
     loads: list[tuple[str, int, int]] = field(default_factory=list)
@@ -129,6 +133,9 @@ class FakeBooks:
             if server in books.down:
                 raise ApplicationError(f"server {server} is unreachable", non_retryable=True)
             books.log("sync_start", inp.version)
+            books.loads_started.append((server, inp.version))
+            while server in books.held_loads:
+                await asyncio.sleep(0.02)
             if inp.version in books.refused:
                 await asyncio.sleep(REFUSE_DELAY_S)
                 return SyncResult(server, inp.version, "refused", REFUSE_DELAY_S,

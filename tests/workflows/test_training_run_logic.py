@@ -309,6 +309,31 @@ async def test_a_server_drained_with_move_hands_its_groups_over_at_once(temporal
     assert books.generated_on.count("1") == calls_on_1, "a model call started on server 1 after it left"
 
 
+async def test_a_server_drained_during_a_load_leaves_once_the_load_has_ended(temporal_client: Client) -> None:
+    books = FakeBooks(servers=["0", "1"], train_delay_s=0.3)
+    cfg = config(steps=4)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: books.server_version.get("1", -1) >= 0, "server 1 holds the base policy", timeout_s=30)
+        books.held_loads.add("1")
+        await until(lambda: [v for s, v in books.loads_started if s == "1" and v >= 1], "a load into server 1",
+                    timeout_s=30)
+        status = await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("1", move=True))
+        assert status.draining_servers == ["1"] and status.left_servers == [], "its load in flight keeps it"
+        [(_, loading)] = [(s, v) for s, v in books.loads_started if s == "1" and v >= 1]
+        books.held_loads.clear()
+
+        async def left_the_run() -> RunStatus | None:
+            status = await handle.query(TrainingRunWorkflow.status)
+            return status if "1" in status.left_servers else None
+
+        await until(left_the_run, "server 1 leaves the run", timeout_s=30, interval_s=0.05)
+        assert books.server_version["1"] == loading, "it left once the load had ended"
+        result = await finished(handle)
+    assert result.steps == 4 and result.version > loading
+    assert [v for s, v in books.loads_started if s == "1" and v > loading] == [], "a drained server loads no more"
+
+
 async def test_draining_an_unknown_or_the_last_server_is_refused(temporal_client: Client) -> None:
     books = FakeBooks(servers=["0", "1"], train_delay_s=0.3)
     cfg = config(steps=3)
