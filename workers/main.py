@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+KINDS = ["rollout", "sandbox", "grader", "trainer", "sidecar", "ranks"]
+"""`ranks`: the trainer's data-parallel ranks on another host (workers/ranks.py)."""
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlpipe worker", description=__doc__)
-    parser.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar"])
+    parser.add_argument("kind", choices=KINDS)
     parser.add_argument("--server", help="sidecar only: the name of the inference server it syncs")
     parser.add_argument("--url", help="sidecar only: the server's URL, for a server not in INFERENCE_URLS (one "
                                       "joining running runs); the sidecar registers the name and URL for the workers")
+    parser.add_argument("--per-host", type=int, default=1,
+                        help="ranks only: the trainer's ranks this host runs (the run's batch.world_size / hosts)")
     args = parser.parse_args(argv)
     if args.kind == "sidecar" and args.server is None:
         parser.error("the sidecar needs --server NAME (the inference server it syncs)")
@@ -34,6 +39,10 @@ def main(argv: list[str] | None = None) -> None:
         from rlpipe.workers.trainer import run_trainer_worker
 
         asyncio.run(run_trainer_worker())
+    elif args.kind == "ranks":
+        from rlpipe.workers.ranks import run_ranks_worker
+
+        run_ranks_worker(args.per_host)
     else:
         from rlpipe.workers.sidecar import run_sidecar_worker
 

@@ -15,6 +15,7 @@ from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.trainer.trainer import Trainer
 from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
+from rlpipe.workers.ranks import ranks_from_env
 
 
 def background_uploads() -> bool | None:
@@ -33,8 +34,14 @@ async def run_trainer_worker() -> None:
     client = await connect(ep, start_metrics("trainer", "trainer", ("trainer",)), wait_s=WORKER_CONNECT_WAIT_S)
     db = Database(ep.database_url)
     start_db_refresh(METRICS, db.begin)  # buffer depth, staleness and shares from Postgres
+    ranks = ranks_from_env()
+    if ranks is not None:
+        log.info("data-parallel ranks are launched by torchrun over %d host(s), rendezvous at %s; on each other "
+                 "host run: RLPIPE_TRAINER_RANKS=torchrun RLPIPE_TRAINER_NNODES=%d RLPIPE_TRAINER_RENDEZVOUS=%s "
+                 "RLPIPE_TRAINER_CONTROLLER_PORT=%d rlpipe worker ranks --per-host <world_size / hosts>",
+                 ranks.nnodes, ranks.rendezvous, ranks.nnodes, ranks.rendezvous, ranks.controller_port)
     trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), load_settings().home.resolve() / "trainer",
-                      background_uploads=background_uploads())
+                      background_uploads=background_uploads(), ranks=ranks)
     training = TrainingActivities(db, trainer)
     # one activity at a time: the model is a single in-memory state advanced step by step
     worker = Worker(client, task_queue=TRAINER_QUEUE, activities=[training.init_policy, training.train_step],

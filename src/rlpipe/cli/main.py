@@ -232,7 +232,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from rlpipe.workers.main import main as worker_main
 
     worker_main([args.kind] + (["--server", args.server] if args.server else [])
-                + (["--url", args.url] if args.url else []))
+                + (["--url", args.url] if args.url else []) + ["--per-host", str(args.per_host)])
 
 
 # -- runs ----------------------------------------------------------------------------------------
@@ -545,9 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
         command(workers, name, fn, text).add_argument("workers", nargs="*", help="only these workers")
     command(workers, "status", cmd_workers_status, "which workers are running")
     worker = groups.add_parser("worker", help="run one worker in the foreground")
-    worker.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar"])
+    worker.add_argument("kind", choices=["rollout", "sandbox", "grader", "trainer", "sidecar", "ranks"],
+                        help="ranks: the trainer's data-parallel ranks on another host (docs/multi-host.md)")
     worker.add_argument("--server", help="sidecar only: the inference server's name")
     worker.add_argument("--url", help="sidecar only: the URL of a server not in INFERENCE_URLS (it registers it)")
+    worker.add_argument("--per-host", type=int, default=1, help="ranks only: the trainer's ranks on this host")
     worker.set_defaults(fn=cmd_worker)
 
     run = groups.add_parser("run", help="training runs").add_subparsers(dest="cmd", required=True)

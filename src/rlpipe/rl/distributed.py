@@ -1,11 +1,12 @@
 """Data-parallel optimisation steps on FSDP2 shards over torch.distributed (gloo on CPU, NCCL when
 CUDA is present).
 
-`DataParallelGroup` starts `world_size` rank processes once. Each builds its model, optimizer and
-optional reference model from the picklable factories it is given, makes its weights equal to rank
-0's, and shards them with `fully_shard` (each decoder layer, then the whole model: the embedding and
-output layer): a rank holds 1/world_size of the parameters, gradients and AdamW state. The trainer
-worker then drives it:
+A `RankGroup` is `world_size` rank processes started once: `DataParallelGroup` (below) forks them
+on this host, `rl/torchrun.TorchrunGroup` has torchrun launch them on this host and others. Each
+rank builds its model, optimizer and optional reference model from the picklable factories it is
+given (`RankBuild`), makes its weights equal to rank 0's, and shards them with `fully_shard` (each
+decoder layer, then the whole model: the embedding and output layer): a rank holds 1/world_size of
+the parameters, gradients and AdamW state. The trainer worker then drives it:
 
     with DataParallelGroup(2, model_fn, optimizer_fn) as group:
         plan = plan_step(samples, advantage=..., loss=..., batch=BatchConfig(world_size=2), pad_token_id=0)
@@ -28,10 +29,10 @@ gathered onto rank 0 in the single-process format: the optimizer state keyed by 
 as `optimizer.state_dict()` is, so a checkpoint restores at any world size.
 A step given a seed reseeds rank r's torch generator with seed * world_size + r first, so a
 replayed step draws the same random numbers. A failure on any rank closes the group and raises
-in the caller with that rank's traceback. With NCCL, rank r uses cuda:r, so world_size must not
-exceed the visible GPUs.
+in the caller with that rank's traceback. With NCCL, a rank uses its host's GPU number LOCAL_RANK
+(r when forked), so a host's ranks must not outnumber its GPUs.
 
-Ranks are forked from a fork server (torch.multiprocessing 'forkserver'), not spawned: the server
+`DataParallelGroup`'s ranks are forked from a fork server (torch.multiprocessing 'forkserver'), not spawned: the server
 is started by the first group of a process and imports torch, this module and the group's
 `preload` modules once, so every later group (a restore, the next run) starts in about half a
 second instead of importing torch and transformers again in every rank (~6 CPU-seconds each).
@@ -47,7 +48,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal, Self, cast
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
-class _Command:
+class Command:
     kind: Literal["train", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
                   "call", "close"]
     """A method of `_Rank` (or close)."""
@@ -199,70 +200,71 @@ class _Rank:
         return answer if self.rank == 0 else None
 
 
-def _build_rank(
-    rank: int, world_size: int, init_file: str, model_fn: ModelFn, optimizer_fn: OptimizerFn,
-    ref_model_fn: ModelFn | None, precision: Precision, timeout_s: float,
-) -> _Rank:
-    """Join the process group, build the model, make its weights equal to rank 0's and shard it."""
+@dataclass(frozen=True)
+class RankBuild:
+    """What every rank builds its state from (it pickles: torchrun ranks get it through a store)."""
+
+    world_size: int
+    model_fn: ModelFn
+    optimizer_fn: OptimizerFn
+    ref_model_fn: ModelFn | None
+    precision: Precision
+    timeout_s: float   # bounds every collective
+
+
+def build_rank(rank: int, local_rank: int, build: RankBuild, init_method: str) -> _Rank:
+    """Join the process group, build the model, make its weights equal to rank 0's and shard it.
+    `local_rank`: this rank's place on its host (its GPU with NCCL)."""
     use_cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
-        world_size=world_size, timeout=timedelta(seconds=timeout_s),
-    )
-    model = model_fn().to(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=build.world_size, timeout=timedelta(seconds=build.timeout_s))
+    model = build.model_fn().to(device)
     _broadcast_module(model)
-    shard(model, precision)
-    optimizer = optimizer_fn(model.parameters())   # over the shards: each rank steps its own
-    ref_model = ref_model_fn().to(device) if ref_model_fn is not None else None
+    shard(model, build.precision)
+    optimizer = build.optimizer_fn(model.parameters())   # over the shards: each rank steps its own
+    ref_model = build.ref_model_fn().to(device) if build.ref_model_fn is not None else None
     if ref_model is not None:
         ref_model.requires_grad_(False)
         _broadcast_module(ref_model)
-        shard(ref_model, precision)
-    return _Rank(rank, world_size, device, model, optimizer, ref_model)
+        shard(ref_model, build.precision)
+    return _Rank(rank, build.world_size, device, model, optimizer, ref_model)
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    init_file: str,
-    model_fn: ModelFn,
-    optimizer_fn: OptimizerFn,
-    ref_model_fn: ModelFn | None,
-    precision: Precision,
-    inbox: "mp.Queue[_Command]",
-    outbox: "mp.Queue[tuple[int, str, Any]]",
-    timeout_s: float,
-) -> None:
-    """One rank: build, then serve commands until 'close'. Every command is answered on `outbox`."""
+def serve(rank: _Rank, next_command: Callable[[], Command], answer: Callable[[str, Any], None]) -> None:
+    """Run commands until 'close', answering each: ("ok", rank 0's result) or ("error", traceback)."""
+    while (cmd := next_command()).kind != "close":
+        try:
+            answer("ok", getattr(rank, cmd.kind)(cmd.payload))
+        except Exception:
+            answer("error", traceback.format_exc())
+    dist.destroy_process_group()
+
+
+def _forked_rank_main(rank: int, build: RankBuild, init_file: str, inbox: "mp.Queue[Command]",
+                      outbox: "mp.Queue[tuple[int, str, Any]]") -> None:
+    """One forked rank: build, then serve commands until 'close'. Every command is answered on `outbox`."""
     parent = os.getppid()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // build.world_size))  # the host's cores, shared
     try:
-        rank_state = _build_rank(rank, world_size, init_file, model_fn, optimizer_fn, ref_model_fn, precision,
-                                 timeout_s)
+        rank_state = build_rank(rank, rank, build, f"file://{init_file}")
         outbox.put((rank, "ok", None))
     except Exception:
         outbox.put((rank, "error", traceback.format_exc()))
         return
-    while (cmd := _next_command(inbox, parent)).kind != "close":
-        try:
-            outbox.put((rank, "ok", getattr(rank_state, cmd.kind)(cmd.payload)))
-        except Exception:
-            outbox.put((rank, "error", traceback.format_exc()))
-    dist.destroy_process_group()
+    serve(rank_state, lambda: _next_command(inbox, parent), lambda status, result: outbox.put((rank, status, result)))
 
 
-def _next_command(inbox: "mp.Queue[_Command]", parent: int) -> _Command:
+def _next_command(inbox: "mp.Queue[Command]", parent: int) -> Command:
     """The next command, or 'close' once the parent has died (so that an orphaned rank exits)."""
     while True:
         try:
             return inbox.get(timeout=5.0)
         except queue.Empty:
             if os.getppid() != parent:
-                return _Command("close")
+                return Command("close")
 
 
 def _same_length(shards: Sequence[Sequence[TrainBatch]]) -> list[list[TrainBatch]]:
@@ -271,43 +273,12 @@ def _same_length(shards: Sequence[Sequence[TrainBatch]]) -> list[list[TrainBatch
     return [[*s, *[collate([], s[0].stats, pad_token_id=0)] * (longest - len(s))] for s in shards]
 
 
-class DataParallelGroup:
-    """`world_size` persistent rank processes holding the shards of one model (see the module docstring)."""
+class RankGroup:
+    """`world_size` rank processes holding the shards of one model, driven from this process (see
+    the module docstring). How the ranks are started and reached is the subclass's: forked here
+    (`DataParallelGroup`), or launched by torchrun on several hosts (rl/torchrun.py)."""
 
-    def __init__(
-        self,
-        world_size: int,
-        model_fn: ModelFn,
-        optimizer_fn: OptimizerFn,
-        *,
-        ref_model_fn: ModelFn | None = None,
-        precision: Precision = "fp32",
-        timeout_s: float = 1800.0,
-        preload: Sequence[str] = (),
-    ) -> None:
-        """Start the ranks and wait until each has built its model; `timeout_s` bounds every command.
-        `precision`: the passes' compute dtype (`shard`).
-        `preload`: modules the fork server imports (those the factories need, e.g. the model's
-        library); it counts only while this process has no fork server yet (the first group)."""
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["__main__", __name__, *preload])
-        self.world_size = world_size
-        self._timeout_s = timeout_s
-        self._dir = tempfile.mkdtemp(prefix="rlpipe-dp-")   # the file rendezvous: no port to pick
-        self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        self._outbox = ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, os.path.join(self._dir, "rendezvous"), model_fn, optimizer_fn,
-                      ref_model_fn, precision, self._inboxes[rank], self._outbox, timeout_s),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
-        self._collect()
+    world_size: int
 
     def step(
         self, shards: Sequence[Sequence[TrainBatch]], cfg: LossConfig, *, grad_clip: float | None,
@@ -332,38 +303,92 @@ class DataParallelGroup:
                 raise ValueError(f"the micro-batches were planned for another world size: plan with "
                                  f"batch.world_size={self.world_size}")
         updates = [_same_length(shards) for shards in updates]
-        for rank in range(self.world_size):
-            mine = [list(shards[rank]) for shards in updates]
-            self._inboxes[rank].put(_Command("train", (mine, cfg, epochs, grad_clip, seed)))
-        return cast(dict[str, float], self._collect())  # the answers come through a queue, untyped
+        commands = [Command("train", ([list(shards[rank]) for shards in updates], cfg, epochs, grad_clip, seed))
+                    for rank in range(self.world_size)]
+        return cast(dict[str, float], self._send(commands))  # the answers come through a queue, untyped
 
     def state_dict(self) -> dict[str, Tensor]:
         """The full model weights, gathered onto the CPU."""
-        return cast(dict[str, Tensor], self._broadcast(_Command("state_dict")))
+        return cast(dict[str, Tensor], self._broadcast(Command("state_dict")))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The full optimizer state, gathered onto the CPU, keyed by parameter index (as `optimizer.state_dict()`)."""
-        return cast(dict[str, Any], self._broadcast(_Command("optimizer_state_dict")))
+        return cast(dict[str, Any], self._broadcast(Command("optimizer_state_dict")))
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load full weights, each rank keeping its shard (the optimizer state is kept)."""
-        self._broadcast(_Command("load_state_dict", state))
+        self._broadcast(Command("load_state_dict", state))
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full optimizer state (`optimizer_state_dict`'s format, e.g. from a checkpoint), sharded."""
-        self._broadcast(_Command("load_optimizer_state_dict", state))
+        self._broadcast(Command("load_optimizer_state_dict", state))
 
     def call(self, fn: Callable[[nn.Module], Any]) -> Any:
         """fn(model) on every rank (the sharded model's passes need them all); rank 0's answer, e.g. an
         evaluation of the live weights. `fn` must pickle (a module-level function or a functools.partial
         of one), should not change the model, and must run the same passes on every rank."""
-        return self._broadcast(_Command("call", fn))
+        return self._broadcast(Command("call", fn))
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _broadcast(self, cmd: Command) -> Any:
+        """Send `cmd` to every rank; rank 0's answer."""
+        return self._send([cmd] * self.world_size)
+
+    def _send(self, commands: Sequence[Command]) -> Any:
+        """Send rank r `commands[r]`, wait for every rank's answer and return rank 0's; a rank's
+        error or death closes the group and raises RuntimeError naming the rank."""
+        raise NotImplementedError
+
+
+class DataParallelGroup(RankGroup):
+    """The ranks forked on this host from a fork server (the module docstring says why), reached
+    through multiprocessing queues; they meet through a file rendezvous in a private directory."""
+
+    def __init__(
+        self,
+        world_size: int,
+        model_fn: ModelFn,
+        optimizer_fn: OptimizerFn,
+        *,
+        ref_model_fn: ModelFn | None = None,
+        precision: Precision = "fp32",
+        timeout_s: float = 1800.0,
+        preload: Sequence[str] = (),
+    ) -> None:
+        """Start the ranks and wait until each has built its model; `timeout_s` bounds every command.
+        `precision`: the passes' compute dtype (`shard`).
+        `preload`: modules the fork server imports (those the factories need, e.g. the model's
+        library); it counts only while this process has no fork server yet (the first group)."""
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", __name__, *preload])
+        self.world_size = world_size
+        self._timeout_s = timeout_s
+        self._dir = tempfile.mkdtemp(prefix="rlpipe-dp-")   # the file rendezvous: no port to pick
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._outbox = ctx.Queue()
+        build = RankBuild(world_size, model_fn, optimizer_fn, ref_model_fn, precision, timeout_s)
+        self._procs = [
+            ctx.Process(target=_forked_rank_main, daemon=True,
+                        args=(rank, build, os.path.join(self._dir, "rendezvous"), self._inboxes[rank], self._outbox))
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect()
 
     def close(self) -> None:
         """Stop the ranks and remove the rendezvous directory; safe to call twice."""
         for p, inbox in zip(self._procs, self._inboxes, strict=True):
             if p.is_alive():
-                inbox.put(_Command("close"))
+                inbox.put(Command("close"))
         for p in self._procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -371,15 +396,8 @@ class DataParallelGroup:
                 p.join()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "DataParallelGroup":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _broadcast(self, cmd: _Command) -> Any:
-        """Send `cmd` to every rank; rank 0's answer."""
-        for inbox in self._inboxes:
+    def _send(self, commands: Sequence[Command]) -> Any:
+        for inbox, cmd in zip(self._inboxes, commands, strict=True):
             inbox.put(cmd)
         return self._collect()
 
@@ -410,4 +428,3 @@ class DataParallelGroup:
         for p in self._procs:
             p.join()
         shutil.rmtree(self._dir, ignore_errors=True)
-

@@ -10,10 +10,12 @@ The trainer talks to one small interface, whatever `batch.world_size` is:
     engine.close()
 
 `LocalEngine` (world_size 1) holds the model in this process (on cuda:0 when there is a GPU);
-`RankEngine` drives a `rl.distributed.DataParallelGroup` whose ranks stay alive for as long as
-the engine does (one run, until a restore). Both build the policy, its optimizer and, when
-loss.kl_coef > 0, the frozen reference model (the run's base model, loaded once) from the same
-factories below, so the two paths cannot drift apart.
+`RankEngine` drives a group of data-parallel ranks that stay alive for as long as the engine does
+(one run, until a restore): forked on this host (`rl.distributed.DataParallelGroup`), or launched by
+torchrun on this host and others (`rl.torchrun.TorchrunGroup`, when the trainer worker is set up
+so). Both engines build the policy, its optimizer and, when loss.kl_coef > 0, the frozen reference
+model (the run's base model, loaded once) from the same factories below, so the paths cannot drift
+apart.
 
 Randomness: before every step torch is reseeded from (optim.seed, step) (and the rank), so a step
 replayed after a restart draws the same numbers as the original and no generator state needs to
@@ -33,8 +35,9 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from rlpipe.rl.batching import StepPlan
-from rlpipe.rl.distributed import DataParallelGroup, cpu_copy
+from rlpipe.rl.distributed import DataParallelGroup, RankGroup, cpu_copy
 from rlpipe.rl.step import WithOutputLayer, make_optimizer, train_updates
+from rlpipe.rl.torchrun import TorchrunGroup, TorchrunRanks
 from rlpipe.schemas.algorithm import LossConfig, OptimConfig, Precision
 
 T = TypeVar("T")
@@ -88,6 +91,7 @@ class EngineSpec:
     epochs: int = 1                       # passes over a step's mini-batches (batch.epochs)
     activation_checkpointing: bool = False  # batch.activation_checkpointing
     precision: Precision = "fp32"         # batch.precision
+    ranks: TorchrunRanks | None = None    # the trainer worker's: ranks launched by torchrun; None: forked here
 
 
 class Engine(Protocol):
@@ -147,12 +151,14 @@ class RankEngine:
 
     def __init__(self, spec: EngineSpec) -> None:
         self.loss, self.grad_clip, self.epochs = spec.loss, spec.optim.grad_clip, spec.epochs
-        self.group = DataParallelGroup(
-            spec.world_size,
-            functools.partial(load_policy, spec.weights_dir, spec.activation_checkpointing),  # they pickle
-            functools.partial(make_optimizer, cfg=spec.optim),
-            ref_model_fn=functools.partial(load_reference, spec.base_dir) if spec.loss.kl_coef > 0 else None,
+        model_fn = functools.partial(load_policy, spec.weights_dir, spec.activation_checkpointing)  # they pickle
+        optimizer_fn = functools.partial(make_optimizer, cfg=spec.optim)
+        ref_model_fn = functools.partial(load_reference, spec.base_dir) if spec.loss.kl_coef > 0 else None
+        self.group: RankGroup = TorchrunGroup(
+            spec.world_size, model_fn, optimizer_fn, ranks=spec.ranks, ref_model_fn=ref_model_fn,
             precision=spec.precision,
+        ) if spec.ranks is not None else DataParallelGroup(
+            spec.world_size, model_fn, optimizer_fn, ref_model_fn=ref_model_fn, precision=spec.precision,
             preload=[__name__],   # torch and transformers, imported once by the fork server
         )
         if spec.optimizer_state is not None:
@@ -180,5 +186,6 @@ class RankEngine:
 
 
 def open_engine(spec: EngineSpec) -> Engine:
-    """One process for world_size 1 (no rank processes to start or feed), ranks otherwise."""
-    return LocalEngine(spec) if spec.world_size == 1 else RankEngine(spec)
+    """One process for world_size 1 (no rank processes to start or feed), ranks otherwise; ranks
+    always where the trainer's ranks are launched by torchrun (they may live on other hosts)."""
+    return LocalEngine(spec) if spec.world_size == 1 and spec.ranks is None else RankEngine(spec)

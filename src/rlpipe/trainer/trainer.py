@@ -53,6 +53,7 @@ import torch
 
 from rlpipe.policy.checkpoint import WEIGHTS_FILE, save_checkpoint
 from rlpipe.rl.batching import plan_updates
+from rlpipe.rl.torchrun import TorchrunRanks
 from rlpipe.rollout.context import RunContext, RunContexts
 from rlpipe.schemas.config import RetentionConfig
 from rlpipe.schemas.payloads import PublishedVersion, StepSummary, TrainStepInput
@@ -104,7 +105,7 @@ class Trainer:
     runs one activity at a time."""
 
     def __init__(self, db: Database, store: ObjectStore, contexts: RunContexts, work_dir: Path, *,
-                 background_uploads: bool | None = None) -> None:
+                 background_uploads: bool | None = None, ranks: TorchrunRanks | None = None) -> None:
         self.db = db
         self.store = store
         self.contexts = contexts
@@ -124,6 +125,8 @@ class Trainer:
         """The background upload of the newest version published here (and the job, to run it again)."""
         self.pruning: Future[None] | None = None
         """The retention pass after the newest commit (on the upload thread, after that upload)."""
+        self.ranks = ranks
+        """Where data-parallel ranks run when launched by torchrun (several hosts); None: forked here."""
 
     # -- entry points ---------------------------------------------------------------------------
     def init_policy(self, run_id: str) -> PublishedVersion:
@@ -262,7 +265,7 @@ class Trainer:
                                              optimizer_state=optimizer_state, loss=cfg.loss, optim=cfg.optim,
                                              world_size=cfg.batch.world_size, epochs=cfg.batch.epochs,
                                              activation_checkpointing=cfg.batch.activation_checkpointing,
-                                             precision=cfg.batch.precision))
+                                             precision=cfg.batch.precision, ranks=self.ranks))
         self.run_id, self.applied_step = cfg.name, step
 
     def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
