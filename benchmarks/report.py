@@ -268,10 +268,12 @@ def sharded_section(d: dict[str, Any]) -> str:
     """Memory per rank and step time at world size 1 and 2; the same arithmetic for 7B and 70B."""
     p, m, r = d["params"], d["measured"], d["ratios"]
     gib = 2**30
-    rows = [[w, f"{x['model_state_bytes'] / gib:.2f} GiB", f"{x['peak_rss_bytes'] / gib:.2f} GiB",
-             fmt(x["step_s"], 2, " s"), f"{x['gather_full_weights_s']:.2f} s"] for w, x in m.items()]
-    rows.append(["2 ÷ 1", f"{r['model_state_per_rank_2_over_1']:.2f}", f"{r['peak_rss_per_rank_2_over_1']:.2f}",
-                 f"{r['step_time_2_over_1']:.2f}", "–"])
+    rows = [[str(x["world_size"]), _launch(x), f"{x['model_state_bytes'] / gib:.2f} GiB",
+             f"{x['peak_rss_bytes'] / gib:.2f} GiB", fmt(x["step_s"], 2, " s"), f"{x['gather_full_weights_s']:.2f} s",
+             _train_state(x)] for x in m.values()]
+    rows.append(["2 ÷ 1", "forked", f"{r['model_state_per_rank_2_over_1']:.2f}",
+                 f"{r['peak_rss_per_rank_2_over_1']:.2f}", f"{r['step_time_2_over_1']:.2f}", "–",
+                 f"{r['train_state_file_2_over_1']:.2f} (file per rank)"])
     large = [[name, f"{x['params'] / 1e9:.2f} B", f"{x['replicated_gib']:.0f} GiB",
               *(f"{x['sharded_gib'][str(n)]:.1f} GiB" for n in (8, 16, 64)), f"{x['largest_gathered_gib']:.2f} GiB"]
              for name, x in d["large_models"].items()]
@@ -282,11 +284,23 @@ def sharded_section(d: dict[str, Any]) -> str:
         "includes Python, torch and transformers and the step's activations. World 2 runs two ranks on this "
         "machine's two cores, so its step time says what lockstep collectives cost here, not what a second "
         "GPU buys.\n",
-        table(["world size", "model state per rank", "peak RSS per rank", "step", "gather the full weights"], rows),
+        table(["world size", "ranks", "model state per rank", "peak RSS per rank", "step", "gather the full weights",
+               "write the recovery state"], rows),
+        f"\nRanks launched by torchrun (one agent, c10d rendezvous on loopback, commands through the trainer's "
+        f"store) step in {r['step_time_torchrun_over_forked']:.2f}× the time of forked ones.",
         "", "fp32 parameters + gradients + AdamW state per rank (16 bytes per parameter), computed from the models' "
         "configs; the last column is the largest unit gathered whole while it runs (weights and gradient):", "",
         table(["model", "parameters", "replicated (every rank)", "8 ranks", "16 ranks", "64 ranks",
                "largest gathered unit"], large)])
+
+
+def _launch(x: dict[str, Any]) -> str:
+    return "one process" if x["world_size"] == 1 else ("torchrun" if x.get("launch") == "torchrun" else "forked")
+
+
+def _train_state(x: dict[str, Any]) -> str:
+    """Seconds to write the recovery state, and its largest per-rank file."""
+    return f"{x['train_state_s']:.2f} s, {x['train_state_file_bytes'] / 2**30:.2f} GiB per rank"
 
 
 def sync_precision_section(d: dict[str, Any]) -> str:

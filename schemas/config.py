@@ -129,12 +129,12 @@ class SyncConfig(Strict):
     stays exact."""
     timeout_s: float = Field(600.0, gt=0)
     recovery_state_every: int = Field(8, ge=1)
-    """Store the optimizer state (for trainer recovery only) with a published version when at least this
+    """Store the recovery state (for trainer recovery only) with a published version when at least this
     many steps have passed since the last stored one, and after the run's last step. A restarted trainer
     restores the newest stored state and replays the recorded steps since, so it replays fewer than
-    `recovery_state_every + interval` steps; 1 stores it with every version. The state is twice the
-    weights' size (AdamW's two moments), the largest write of a publish; three times with
-    `weights_dtype` "bfloat16" (the fp32 master weights travel with it)."""
+    `recovery_state_every + interval` steps; 1 stores it with every version. The state is the fp32
+    weights and AdamW's two moments, three times the weights' size, written a file per rank: the
+    largest write of a publish."""
 
 
 class RetentionConfig(Strict):

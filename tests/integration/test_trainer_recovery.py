@@ -38,12 +38,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlpipe.infra.endpoints import Endpoints
 from rlpipe.infra.process import free_port
 from rlpipe.observe.invariants import CHECKPOINTS_MATCH, check_run
 from rlpipe.policy.checkpoint import load_state_dict
 from rlpipe.rl import step as step_module
+from rlpipe.rl.distributed import optimizer_state_by_index
 from rlpipe.rollout.context import RunContexts
 from rlpipe.schemas.config import RunConfig
 from rlpipe.schemas.payloads import TrainStepInput
@@ -56,10 +58,12 @@ from rlpipe.storage.runs import register_run
 from rlpipe.tracking.cursor import cursor_states, plan_batch, tracker_lines
 from rlpipe.tracking.follow import MAX_STEPS_PER_BATCH, Outcome, catch_up_run, read_batch
 from rlpipe.tracking.sinks import open_sink
-from rlpipe.trainer.engine import RankEngine
+from rlpipe.trainer.engine import RankEngine, load_policy
 from rlpipe.trainer.trainer import Trainer
 from rlpipe.weights.checkpoints import (
+    delete_train_state,
     download_checkpoint,
+    download_train_state,
     load_manifest,
     manifest_key,
     stored_train_states,
@@ -186,8 +190,8 @@ def _wait_to_be_killed() -> None:
 @dataclasses.dataclass(frozen=True)
 class FinalState:
     weights: Weights                 # published after the last step
-    optimizer: dict                  # stored beside them for recovery
-    master_weights: Weights | None   # and the fp32 weights, when the published ones are rounded
+    optimizer: dict                  # stored beside them for recovery (AdamW's state by parameter name)
+    train_weights: Weights           # and the fp32 weights the optimizer steps, in the same recovery state
     weights_before: Weights          # published one checkpoint earlier (step STEPS - 1)
 
 
@@ -206,10 +210,12 @@ def final_state(db: Database, store: ObjectStore, run_id: str, tmp: Path, with_b
         download_checkpoint(store, load_manifest(store, manifest_key(run_id, version)), directory)
         return load_state_dict(directory)
 
-    store.get_file(train_state_key(run_id, STEPS), tmp / f"{run_id}-optimizer.pt")
-    stored = torch.load(tmp / f"{run_id}-optimizer.pt", weights_only=True)
+    state_dir = tmp / f"{run_id}-state"   # a file per rank (torch.distributed.checkpoint), read here in one
+    assert download_train_state(store, run_id, STEPS, state_dir), "the last step's recovery state is stored"
+    dcp_to_torch_save(state_dir, tmp / f"{run_id}-state.pt")
+    stored = torch.load(tmp / f"{run_id}-state.pt", weights_only=False)
     final = weights(last)
-    return FinalState(final, stored["optimizer"], stored["master_weights"], weights(last - 1) if with_before else final)
+    return FinalState(final, stored["optimizer"], stored["model"], weights(last - 1) if with_before else final)
 
 
 def max_abs_diff(a: Weights, b: Weights) -> float:
@@ -218,17 +224,15 @@ def max_abs_diff(a: Weights, b: Weights) -> float:
 
 
 def optimizer_tensors(state: dict) -> Weights:
-    """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) by '<param index>.<name>'."""
-    return {f"{i}.{name}": v for i, per in state["state"].items() for name, v in per.items()}
+    """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) by '<param name>.<name>'."""
+    return {f"{param}.{name}": v for param, per in state["state"].items() for name, v in per.items()}
 
 
 def assert_same_final_state(got: FinalState, want: FinalState) -> None:
     assert max_abs_diff(got.weights, want.weights) <= TOLERANCE
     assert optimizer_tensors(want.optimizer), "the optimizer state was stored"
     assert max_abs_diff(optimizer_tensors(got.optimizer), optimizer_tensors(want.optimizer)) <= TOLERANCE
-    assert (got.master_weights is None) == (want.master_weights is None)
-    if want.master_weights is not None and got.master_weights is not None:
-        assert max_abs_diff(got.master_weights, want.master_weights) <= TOLERANCE
+    assert max_abs_diff(got.train_weights, want.train_weights) <= TOLERANCE
     # the check can fail: the last step alone moved the weights by far more than the tolerance
     assert max_abs_diff(want.weights, want.weights_before) > 1000 * TOLERANCE
 
@@ -284,9 +288,10 @@ def test_a_trainer_thrown_away_between_checkpoints_recovers_by_replay(
     stored with the optimizer state (or the base model, for version 0): from the rounded ones, the
     replayed steps end elsewhere."""
     baseline, want = uninterrupted(world_size, several_updates, bf16)
-    # fp32 master weights travel with the optimizer state exactly when the published weights are rounded
-    assert (want.master_weights is not None) == bf16
-    assert want.master_weights is None or {t.dtype for t in want.master_weights.values()} == {torch.float32}
+    # the recovery state's weights are fp32, the published ones too unless rounded to bf16
+    assert {t.dtype for t in want.train_weights.values()} == {torch.float32}
+    published = {k: want.train_weights[k] for k in want.weights}
+    assert (max_abs_diff(want.weights, published) > 0) == bf16
     cfg = new_run(migrated_db, tiny_model, world_size, several_updates, bf16=bf16)
     for steps in (range(1, 2), range(2, 4), range(4, 5), range(5, STEPS + 1)):   # thrown away after 1, 3 and 4
         trainer = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / f"work-{steps.start}",
@@ -339,7 +344,7 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
         first.shutdown()
     object_store.delete(manifest_key(cfg.name, 2))
     if not same_machine:
-        object_store.delete(train_state_key(cfg.name, 4))
+        delete_train_state(object_store, cfg.name, 4)
     second = Trainer(migrated_db, object_store, RunContexts(migrated_db),
                      tmp_path / ("work-1" if same_machine else "work-2"), background_uploads=True)
     try:
@@ -359,6 +364,36 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
     else:
         assert_replayed(metrics, version=0, steps=4)
         assert metrics["recreated_versions"] == 1
+
+
+def test_a_recovery_state_stored_as_one_file_by_an_older_trainer_still_restores(
+        uninterrupted: Uninterrupted, migrated_db: Database, object_store: ObjectStore, tiny_model: Path,
+        tmp_path: Path) -> None:
+    """Runs whose trainer stored the recovery state as one torch.save file (the full optimizer state
+    by parameter index) keep restoring from it: the state of step 4 is rewritten so, and a new trainer
+    restores version 2 from it for step 5 and ends where the uninterrupted run did."""
+    _, want = uninterrupted(1, False, False)
+    cfg = new_run(migrated_db, tiny_model, 1)
+    first = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-1", background_uploads=True)
+    try:
+        run_steps(first, cfg, range(1, 5))
+    finally:
+        first.shutdown()
+    assert download_train_state(object_store, cfg.name, 4, tmp_path / "state")
+    dcp_to_torch_save(tmp_path / "state", tmp_path / "state.pt")
+    optimizer = torch.load(tmp_path / "state.pt", weights_only=False)["optimizer"]
+    names = [name for name, _ in load_policy(tiny_model).named_parameters()]   # the index is this order
+    torch.save({"optimizer": optimizer_state_by_index(optimizer, names), "master_weights": None}, tmp_path / "old.pt")
+    delete_train_state(object_store, cfg.name, 4)
+    object_store.put_file(train_state_key(cfg.name, 4), tmp_path / "old.pt")
+    assert stored_train_states(object_store, cfg.name) == {4}
+    second = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-2", background_uploads=True)
+    try:
+        run_steps(second, cfg, range(5, STEPS + 1))
+    finally:
+        second.shutdown()
+    assert_replayed(step_metrics(migrated_db, cfg.name)[5], version=2, steps=0)
+    assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
 
 
 def test_retention_deletes_old_versions_but_never_the_one_a_restore_needs(

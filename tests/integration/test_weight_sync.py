@@ -35,6 +35,7 @@ from rlpipe.storage.runs import register_run
 from rlpipe.trainer.engine import load_policy
 from rlpipe.trainer.probe import make_probe, probe_ids
 from rlpipe.weights.checkpoints import (
+    TRAIN_STATE_INDEX,
     Manifest,
     download_checkpoint,
     local_version_dir,
@@ -42,6 +43,7 @@ from rlpipe.weights.checkpoints import (
     stored_train_states,
     stored_versions,
     train_state_key,
+    train_state_prefix,
     upload_checkpoint,
 )
 from rlpipe.weights.labels import (
@@ -570,7 +572,8 @@ def test_attempt_verdicts_name_exactly_one_attempt(make_run) -> None:  # type: i
 async def test_retention_keeps_held_versions_and_shared_files_and_refuses_a_late_load_of_a_deleted_one(
         make_run, sidecar: Sidecar, stack: Stack) -> None:  # type: ignore[no-untyped-def]
     """v0..v6 (base, then a and b in turn: a file can belong to a kept and a deleted version), the
-    server on v2, optimizer states after steps 3 and 5; keep_last 2. Kept: v5 and v6 (the newest
+    server on v2, recovery states after steps 3 (per rank) and 5 (one file, as runs stored it before);
+    keep_last 2. Kept: v5 and v6 (the newest
     two), v2 (the server holds it; v5 is also the restore base). Deleted: v0, v1, v3, v4 and the
     state of step 3, but only the files no kept version names."""
     policy = RetentionConfig(keep_last=2)
@@ -579,8 +582,9 @@ async def test_retention_keeps_held_versions_and_shared_files_and_refuses_a_late
         run.publish(weights)
     for version in (1, 2):  # the sidecar downloads both; the server ends on v2
         assert (await sidecar.sync(run.name, version)).status == "ok"
-    for step in (3, 5):
-        run.store.put_bytes(train_state_key(run.name, step), b"optimizer state")
+    for name in ("__0_0.distcp", "__1_0.distcp", TRAIN_STATE_INDEX):   # step 3's: two ranks' files
+        run.store.put_bytes(train_state_prefix(run.name, 3) + name, b"rank state")
+    run.store.put_bytes(train_state_key(run.name, 5), b"optimizer state")   # step 5's: one file, as stored before
     with run.db.begin() as s:
         for step in range(1, 7):
             s.execute(sa.text("insert into train_steps (run_id, step, policy_version, n_groups, n_trajectories, "
@@ -594,7 +598,7 @@ async def test_retention_keeps_held_versions_and_shared_files_and_refuses_a_late
 
     pruned = prune_run(run.db, run.store, run.name, policy)
     assert (pruned.versions, pruned.train_states) == ([0, 1, 3, 4], [3])
-    assert pruned.bytes_freed == sum(only_deleted.values()) + len(b"optimizer state")
+    assert pruned.bytes_freed == sum(only_deleted.values()) + 3 * len(b"rank state")
     listed = {o.key for o in run.store.list(f"runs/{run.name}/")}
     assert named_by_kept <= listed and not only_deleted.keys() & listed
     assert stored_versions(run.store, run.name) == {2, 5, 6} and stored_train_states(run.store, run.name) == {5}

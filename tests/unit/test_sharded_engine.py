@@ -65,11 +65,13 @@ def step_samples(step: int) -> list[Sample]:
 
 
 def open_at(world_size: int, model_dir: Path, layout: str, weights_dir: Path | None = None,
-            optimizer_state: dict[str, Any] | None = None, precision: Precision = "fp32") -> Engine:
+            optimizer_state: dict[str, Any] | None = None, precision: Precision = "fp32",
+            train_state_dir: Path | None = None) -> Engine:
     loss, batch = LAYOUTS[layout]
     spec = EngineSpec(base_dir=model_dir, weights_dir=weights_dir or model_dir, optimizer_state=optimizer_state,
                       loss=loss, optim=OPTIM, world_size=world_size, epochs=batch.epochs,
-                      activation_checkpointing=batch.activation_checkpointing, precision=precision)
+                      activation_checkpointing=batch.activation_checkpointing, precision=precision,
+                      train_state_dir=train_state_dir)
     return LocalEngine(spec) if world_size == 1 else RankEngine(spec)
 
 
@@ -125,22 +127,31 @@ def test_two_sharded_ranks_train_to_the_parameters_of_one_process(model_dir: Pat
         assert a["num_sequences"] == b["num_sequences"]
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_a_checkpoint_of_one_world_size_resumes_at_the_other(model_dir: Path, tmp_path: Path, before: int,
-                                                           after: int) -> None:
-    """Two steps at `before` ranks, the published weights and optimizer state, the third step at
-    `after`: the parameters of three undisturbed steps in one process."""
+@pytest.mark.parametrize(("before", "after", "state"), [(2, 1, "per rank"), (1, 2, "per rank"), (2, 1, "one file"),
+                                                      (1, 2, "one file")])
+def test_a_recovery_state_of_one_world_size_resumes_at_the_other(model_dir: Path, tmp_path: Path, before: int,
+                                                               after: int, state: str) -> None:
+    """Two steps at `before` ranks, their recovery state, the third step at `after`: the parameters of
+    three undisturbed steps in one process. The state as the trainer writes it (a file per rank,
+    torch.distributed.checkpoint), or as runs stored it before (published weights + full optimizer)."""
     layout = "token_mean"
     undisturbed = open_at(1, model_dir, layout)
     train(undisturbed, 1, layout, range(1, STEPS + 1))
     first = open_at(before, model_dir, layout)
     try:
         train(first, before, layout, range(1, STEPS))
-        save_checkpoint(first.state_dict(), tmp_path / "v2", model_dir)
-        optimizer = first.optimizer_state_dict()
+        if state == "per rank":
+            first.save_train_state(tmp_path / "state")
+        else:
+            save_checkpoint(first.state_dict(), tmp_path / "v2", model_dir)
+            optimizer = first.optimizer_state_dict()
     finally:
         first.close()
-    second = open_at(after, model_dir, layout, weights_dir=tmp_path / "v2", optimizer_state=optimizer)
+    if state == "per rank":
+        assert len(list((tmp_path / "state").glob("*.distcp"))) == before, "one file per rank"
+        second = open_at(after, model_dir, layout, train_state_dir=tmp_path / "state")
+    else:
+        second = open_at(after, model_dir, layout, weights_dir=tmp_path / "v2", optimizer_state=optimizer)
     try:
         train(second, after, layout, range(STEPS, STEPS + 1))
         resumed = second.state_dict()

@@ -48,6 +48,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Self, cast
 
 import torch
@@ -70,6 +71,7 @@ from rlpipe.rl.step import (
     apply_gradients,
     run_epochs,
 )
+from rlpipe.rl.train_state import load_train_state, save_train_state
 from rlpipe.schemas.algorithm import LossConfig, Precision
 
 ModelFn = Callable[[], nn.Module]
@@ -81,7 +83,7 @@ OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 @dataclass(frozen=True)
 class Command:
     kind: Literal["train", "state_dict", "optimizer_state_dict", "load_state_dict", "load_optimizer_state_dict",
-                  "call", "close"]
+                  "save_train_state", "load_train_state", "call", "close"]
     """A method of `_Rank` (or close)."""
     payload: Any = None
 
@@ -189,6 +191,12 @@ class _Rank:
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state_by_name(cpu_copy(state), self._names()),
                                  options=StateDictOptions(full_state_dict=True))
+
+    def save_train_state(self, directory: str) -> None:
+        save_train_state(self.model, self.optimizer, Path(directory))
+
+    def load_train_state(self, directory: str) -> None:
+        load_train_state(self.model, self.optimizer, Path(directory))
 
     def call(self, fn: Callable[[nn.Module], Any]) -> Any:
         return self._rank0(fn(self.model))
@@ -322,6 +330,16 @@ class RankGroup:
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full optimizer state (`optimizer_state_dict`'s format, e.g. from a checkpoint), sharded."""
         self._broadcast(Command("load_optimizer_state_dict", state))
+
+    def save_train_state(self, directory: Path) -> None:
+        """Every rank writes its shards of the weights and optimizer state into `directory`
+        (rl/train_state.py: one file per rank, loadable at any world size). Ranks on other hosts
+        write into the same path on theirs: it must be one shared directory."""
+        self._broadcast(Command("save_train_state", str(directory)))
+
+    def load_train_state(self, directory: Path) -> None:
+        """Load a state `save_train_state` wrote, at this or any other world size."""
+        self._broadcast(Command("load_train_state", str(directory)))
 
     def call(self, fn: Callable[[nn.Module], Any]) -> Any:
         """fn(model) on every rank (the sharded model's passes need them all); rank 0's answer, e.g. an

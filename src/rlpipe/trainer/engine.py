@@ -5,7 +5,7 @@ The trainer talks to one small interface, whatever `batch.world_size` is:
     engine = open_engine(EngineSpec(...))    # weights directory + optimizer state (None: fresh)
     metrics = engine.step(updates, seed)     # a train step: `batching.plan_updates` plans, `epochs` passes
     engine.state_dict()                      # CPU copy of the weights: what is published
-    engine.optimizer_state_dict()            # CPU copy of the optimizer: what recovery needs
+    engine.save_train_state(directory)       # weights + optimizer, a file per rank: what recovery needs
     engine.evaluate(fn)                      # fn(policy) on the live weights (e.g. the probe)
     engine.close()
 
@@ -38,6 +38,7 @@ from rlpipe.rl.batching import StepPlan
 from rlpipe.rl.distributed import DataParallelGroup, RankGroup, cpu_copy
 from rlpipe.rl.step import WithOutputLayer, make_optimizer, train_updates
 from rlpipe.rl.torchrun import TorchrunGroup, TorchrunRanks
+from rlpipe.rl.train_state import load_train_state, save_train_state
 from rlpipe.schemas.algorithm import LossConfig, OptimConfig, Precision
 
 T = TypeVar("T")
@@ -84,7 +85,7 @@ class EngineSpec:
 
     base_dir: Path                        # the run's base model: the reference of the KL penalty
     weights_dir: Path                     # the weights to start from (base_dir for version 0)
-    optimizer_state: dict[str, Any] | None  # a checkpointed optimizer state; None: a fresh optimizer
+    optimizer_state: dict[str, Any] | None  # a full optimizer state (recovery states of old); None: fresh
     loss: LossConfig
     optim: OptimConfig
     world_size: int
@@ -92,6 +93,7 @@ class EngineSpec:
     activation_checkpointing: bool = False  # batch.activation_checkpointing
     precision: Precision = "fp32"         # batch.precision
     ranks: TorchrunRanks | None = None    # the trainer worker's: ranks launched by torchrun; None: forked here
+    train_state_dir: Path | None = None   # a recovery state (rl/train_state.py): its weights and optimizer win
 
 
 class Engine(Protocol):
@@ -103,6 +105,10 @@ class Engine(Protocol):
     def state_dict(self) -> dict[str, Tensor]: ...
 
     def optimizer_state_dict(self) -> dict[str, Any]: ...
+
+    def save_train_state(self, directory: Path) -> None:
+        """The recovery state (fp32 weights + optimizer state), one file per rank (rl/train_state.py)."""
+        ...
 
     def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
         """fn(policy) on the live weights; `fn` must pickle (a functools.partial of a module function).
@@ -121,7 +127,9 @@ class LocalEngine:
         self.model = compute_in(load_policy(spec.weights_dir, spec.activation_checkpointing).to(device),
                                 spec.precision)
         self.optimizer = make_optimizer(self.model.parameters(), spec.optim)
-        if spec.optimizer_state is not None:
+        if spec.train_state_dir is not None:
+            load_train_state(self.model, self.optimizer, spec.train_state_dir)
+        elif spec.optimizer_state is not None:
             self.optimizer.load_state_dict(spec.optimizer_state)   # moves the state to the parameters' device
         self.ref_model = compute_in(load_reference(spec.base_dir).to(device), spec.precision) \
             if spec.loss.kl_coef > 0 else None
@@ -137,6 +145,9 @@ class LocalEngine:
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         return cpu_copy(self.optimizer.state_dict())
+
+    def save_train_state(self, directory: Path) -> None:
+        save_train_state(self.model, self.optimizer, directory)
 
     def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
         return fn(self.model)
@@ -161,12 +172,14 @@ class RankEngine:
             spec.world_size, model_fn, optimizer_fn, ref_model_fn=ref_model_fn, precision=spec.precision,
             preload=[__name__],   # torch and transformers, imported once by the fork server
         )
-        if spec.optimizer_state is not None:
-            try:
+        try:
+            if spec.train_state_dir is not None:
+                self.group.load_train_state(spec.train_state_dir)
+            elif spec.optimizer_state is not None:
                 self.group.load_optimizer_state_dict(spec.optimizer_state)
-            except BaseException:
-                self.group.close()
-                raise
+        except BaseException:
+            self.group.close()
+            raise
 
     def step(self, updates: Sequence[StepPlan], seed: int) -> dict[str, float]:
         return self.group.train([plan.shards for plan in updates], self.loss, epochs=self.epochs,
@@ -177,6 +190,9 @@ class RankEngine:
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         return self.group.optimizer_state_dict()
+
+    def save_train_state(self, directory: Path) -> None:
+        self.group.save_train_state(directory)
 
     def evaluate(self, fn: Callable[[nn.Module], T]) -> T:
         return self.group.call(fn)

@@ -12,9 +12,9 @@
                     after a publish, the run's retention pass (weights/retention.py) on the upload thread
 
 Exact recovery. Publishing version v after step k stores the weights (what inference servers load)
-and, every `sync.recovery_state_every` steps, the optimizer state after step k beside them
-(`train_state_key`, read only by recovery), with the fp32 master weights when the published ones
-are rounded (sync.weights_dtype = "bfloat16"). A trainer whose memory does not hold step s - 1 (a new
+and, every `sync.recovery_state_every` steps, the recovery state after step k beside them: the fp32
+weights and the optimizer state, each rank writing its own shards (rl/train_state.py; read only by
+recovery, and at any world size). A trainer whose memory does not hold step s - 1 (a new
 process, another run, a failed step) loads the newest version with trained_steps <= s - 1 whose
 optimizer state is stored (or the base, version 0) and replays steps k + 1 .. s - 1 on their recorded
 batches (`claimed_trajectories`: the groups each committed step claimed; a replay claims nothing).
@@ -69,6 +69,7 @@ from rlpipe.weights.checkpoints import (
     Manifest,
     describe_checkpoint,
     download_checkpoint,
+    download_train_state,
     load_manifest,
     local_version_dir,
     manifest_key,
@@ -77,13 +78,15 @@ from rlpipe.weights.checkpoints import (
     stored_versions,
     train_state_key,
     upload_described,
+    upload_train_state,
 )
 from rlpipe.weights.retention import forget_deleted, prune_run
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """What recovery restores besides the published weights (`train_state_key`; a dict on disk)."""
+    """A recovery state as runs stored it before states were written per rank (`train_state_key`:
+    one torch.save dict); read to restore those runs."""
 
     optimizer: dict[str, Any]
     master_weights: dict[str, torch.Tensor] | None = None
@@ -215,15 +218,13 @@ class Trainer:
         if base.trained_steps == 0:  # the base model itself: a rounded version 0 is not what step 1 started from
             self._open(ctx, ctx.model_dir, None, 0)
         else:
-            state = self._load_train_state(run_id, base.trained_steps)
-            if state.master_weights is None:  # the published weights are the master weights
-                directory = local_version_dir(self.work_dir, run_id, base.version)
-                download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
-                self._open(ctx, directory, state.optimizer, base.trained_steps)
-            else:
-                with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:  # the engine reads it once
-                    save_checkpoint(state.master_weights, Path(tmp), ctx.model_dir)
-                    self._open(ctx, Path(tmp), state.optimizer, base.trained_steps)
+            with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:   # the engine reads it once
+                state_dir = Path(tmp) / "train-state"
+                if download_train_state(self.store, run_id, base.trained_steps, state_dir):
+                    # the state's fp32 weights and optimizer replace the base model's weights
+                    self._open(ctx, ctx.model_dir, None, base.trained_steps, train_state_dir=state_dir)
+                else:
+                    self._open_legacy_state(ctx, base, Path(tmp))
         for replay in range(base.trained_steps + 1, step + 1):
             self._apply(ctx, replay)
             if replay in lost:
@@ -257,15 +258,31 @@ class Trainer:
                 lost[row.trained_steps] = row
         return lost
 
-    def _open(self, ctx: RunContext, weights_dir: Path, optimizer_state: dict[str, Any] | None, step: int) -> None:
-        """Replace the engine by one holding `weights_dir` and `optimizer_state` as step `step`."""
+    def _open_legacy_state(self, ctx: RunContext, base: PolicyVersion, tmp: Path) -> None:
+        """Restore from a recovery state stored as one file (runs from before per-rank states)."""
+        run_id = ctx.config.name
+        self.store.get_file(train_state_key(run_id, base.trained_steps), tmp / "train-state.pt")
+        state = TrainState.read(torch.load(tmp / "train-state.pt", weights_only=True))
+        if state.master_weights is None:  # the published weights are the master weights
+            directory = local_version_dir(self.work_dir, run_id, base.version)
+            download_checkpoint(self.store, load_manifest(self.store, base.checkpoint_key), directory)
+            self._open(ctx, directory, state.optimizer, base.trained_steps)
+        else:
+            save_checkpoint(state.master_weights, tmp / "master", ctx.model_dir)
+            self._open(ctx, tmp / "master", state.optimizer, base.trained_steps)
+
+    def _open(self, ctx: RunContext, weights_dir: Path, optimizer_state: dict[str, Any] | None, step: int, *,
+              train_state_dir: Path | None = None) -> None:
+        """Replace the engine by one holding `weights_dir` and `optimizer_state` (or the recovery
+        state in `train_state_dir`) as step `step`."""
         self.close()
         cfg = ctx.config
         self.engine = open_engine(EngineSpec(base_dir=ctx.model_dir, weights_dir=weights_dir,
                                              optimizer_state=optimizer_state, loss=cfg.loss, optim=cfg.optim,
                                              world_size=cfg.batch.world_size, epochs=cfg.batch.epochs,
                                              activation_checkpointing=cfg.batch.activation_checkpointing,
-                                             precision=cfg.batch.precision, ranks=self.ranks))
+                                             precision=cfg.batch.precision, ranks=self.ranks,
+                                             train_state_dir=train_state_dir))
         self.run_id, self.applied_step = cfg.name, step
 
     def _apply(self, ctx: RunContext, step: int, timings: dict[str, float] | None = None) -> dict[str, Any]:
@@ -314,13 +331,6 @@ class Trainer:
         earlier = [k for k in stored_train_states(self.store, cfg.name) if k < trained_steps]
         return trained_steps - max(earlier, default=0) >= cfg.sync.recovery_state_every
 
-    def _load_train_state(self, run_id: str, step: int) -> TrainState:
-        """The recovery state stored when the version of step `step` was published."""
-        with tempfile.TemporaryDirectory(dir=self.work_dir) as tmp:
-            path = Path(tmp) / "train-state.pt"
-            self.store.get_file(train_state_key(run_id, step), path)
-            return TrainState.read(torch.load(path, weights_only=True))
-
     # -- publishing and committing ------------------------------------------------------------------
     def _publish(self, ctx: RunContext, version: int, trained_steps: int, timings: dict[str, float] | None = None,
                  *, background: bool = False, expect_sha256: str | None = None) -> tuple[Manifest, dict]:
@@ -350,12 +360,17 @@ class Trainer:
         if expect_sha256 is not None and manifest.weights.sha256 != expect_sha256:
             raise RuntimeError(f"replaying run {run_id} to step {trained_steps} re-created version {version} with "
                                f"weights {manifest.weights.sha256}, not the committed {expect_sha256}")
-        state_file = None
+        state_dir = None
         if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
             with timed(timings, "train_state_s"):
-                state_file = cached.parent / f".train-state-v{version:06d}.pt"
-                torch.save(vars(TrainState(self.engine.optimizer_state_dict(), weights if rounded else None)),
-                           state_file)
+                state_dir = cached.parent / f".train-state-v{version:06d}"
+                shutil.rmtree(state_dir, ignore_errors=True)   # a failed try's files
+                self.engine.save_train_state(state_dir)
+                written = len(list(state_dir.glob("*.distcp")))
+                if written != ctx.config.batch.world_size:   # ranks on other hosts wrote into their own disks
+                    raise RuntimeError(f"{written} of {ctx.config.batch.world_size} ranks' recovery files are in "
+                                       f"{state_dir}: the trainer's work directory must be shared by every host of "
+                                       "its ranks (docs/multi-host.md)")
         del weights   # before the probe, which may load a model of its own
         with timed(timings, "probe_s"):
             # what a faithful server must reproduce: the published bytes forwarded in fp32 (the live
@@ -365,7 +380,7 @@ class Trainer:
             probe_of = functools.partial(make_probe, prompt_ids=prompt, scored_ids=scored)
             live = ctx.config.batch.precision == "fp32" and not rounded
             probe = self.engine.evaluate(probe_of) if live else probe_of(load_policy(cached))
-        job = functools.partial(self._upload, manifest, cached, state_file)
+        job = functools.partial(self._upload, manifest, cached, state_dir)
         if background:
             self.upload = self.uploader.submit(job), job
         else:
@@ -373,14 +388,14 @@ class Trainer:
                 job()
         return manifest, probe
 
-    def _upload(self, manifest: Manifest, directory: Path, state_file: Path | None) -> None:
-        """The optimizer state first, the checkpoint's files, and its manifest last (the mark of a
-        durable version). The cache keeps the files: restores start from them, and a sidecar on this
-        filesystem loads them."""
+    def _upload(self, manifest: Manifest, directory: Path, state_dir: Path | None) -> None:
+        """The recovery state first, the checkpoint's files, and its manifest last (the mark of a
+        durable version). The cache keeps the checkpoint's files: restores start from them, and a
+        sidecar on this filesystem loads them."""
         t0 = time.monotonic()
-        if state_file is not None and state_file.exists():
-            self.store.put_file(train_state_key(manifest.run_id, manifest.trained_steps), state_file)
-            state_file.unlink()
+        if state_dir is not None and state_dir.exists():
+            upload_train_state(self.store, manifest.run_id, manifest.trained_steps, state_dir)
+            shutil.rmtree(state_dir)
         upload_described(self.store, manifest, directory)
         log.info("uploaded version %d of run %s (%.1f MB) in %.2f s", manifest.version, manifest.run_id,
                  manifest.total_bytes / 1e6, time.monotonic() - t0)

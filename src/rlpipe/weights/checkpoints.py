@@ -2,7 +2,10 @@
 
     runs/<run>/objects/sha256-<digest>/<file>       content-addressed files (weights, config, tokenizer)
     runs/<run>/versions/v000003/manifest.json       which files make up version 3, with their digests
-    runs/<run>/train-state/step-000012.pt           optimizer state after step 12 (trainer recovery only)
+    runs/<run>/train-state/step-000012/             weights + optimizer state after step 12 (trainer recovery
+                                                    only): a torch.distributed.checkpoint directory, a file
+                                                    per rank and `.metadata`, written last
+    runs/<run>/train-state/step-000012.pt           the same, as runs stored it before (one torch.save file)
 
 The weights' sha256 is also the `policy_versions.sha256` of the version, so a sync can refuse a
 checkpoint whose bytes are not the ones the trainer published, before it pauses any server. The
@@ -64,14 +67,64 @@ def manifest_key(run_id: str, version: int) -> str:
     return f"runs/{run_id}/versions/v{version:06d}/manifest.json"
 
 
+TRAIN_STATE_INDEX = ".metadata"
+"""The index torch.distributed.checkpoint writes beside the ranks' files; uploaded last, it marks a
+stored recovery state whole."""
+
+
 def train_state_key(run_id: str, step: int) -> str:
+    """The recovery state of runs that stored it as one torch.save file (read, never written now)."""
     return f"runs/{run_id}/train-state/step-{step:06d}.pt"
 
 
+def train_state_prefix(run_id: str, step: int) -> str:
+    return f"runs/{run_id}/train-state/step-{step:06d}/"
+
+
 def stored_train_states(store: ObjectStore, run_id: str) -> set[int]:
-    """The steps after which the run's optimizer state is in the store (a put is whole or absent)."""
+    """The steps after which the run's recovery state is whole in the store."""
     prefix = f"runs/{run_id}/train-state/step-"
-    return {int(info.key[len(prefix):-len(".pt")]) for info in store.list(prefix) if info.key.endswith(".pt")}
+    steps = set()
+    for info in store.list(prefix):
+        rest = info.key[len(prefix):]
+        if rest.endswith(".pt") or rest.endswith("/" + TRAIN_STATE_INDEX):
+            steps.add(int(rest[:6]))
+    return steps
+
+
+def upload_train_state(store: ObjectStore, run_id: str, step: int, directory: Path) -> None:
+    """The ranks' files, then the index (the mark of a whole state)."""
+    prefix = train_state_prefix(run_id, step)
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != TRAIN_STATE_INDEX)
+    for path in [*files, directory / TRAIN_STATE_INDEX]:
+        store.put_file(prefix + path.name, path)
+
+
+def download_train_state(store: ObjectStore, run_id: str, step: int, directory: Path) -> bool:
+    """Fetch the recovery state of `step` into `directory`, each file checked against its sha256;
+    False when the run stored it as one file (`train_state_key`)."""
+    prefix = train_state_prefix(run_id, step)
+    keys = [info.key for info in store.list(prefix)]
+    if prefix + TRAIN_STATE_INDEX not in keys:
+        return False
+    directory.mkdir(parents=True, exist_ok=True)
+    for key in keys:
+        store.get_file(key, directory / key[len(prefix):])
+    return True
+
+
+def delete_train_state(store: ObjectStore, run_id: str, step: int) -> int:
+    """Delete the recovery state of `step` (the index first: a half-deleted state is not listed);
+    returns the bytes freed."""
+    if store.exists(legacy := train_state_key(run_id, step)):
+        size = store.head(legacy).size
+        store.delete(legacy)
+        return size
+    prefix = train_state_prefix(run_id, step)
+    found = sorted(store.list(prefix), key=lambda info: not info.key.endswith(TRAIN_STATE_INDEX))
+    for info in found:
+        store.delete(info.key)
+    return sum(info.size for info in found)
 
 
 def stored_versions(store: ObjectStore, run_id: str) -> set[int]:

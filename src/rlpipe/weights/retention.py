@@ -31,6 +31,7 @@ from rlpipe.schemas.tables import PolicyVersion, SyncEvent, TrainStep
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore, content_key
 from rlpipe.weights.checkpoints import (
+    delete_train_state,
     load_manifest,
     local_version_dir,
     manifest_key,
@@ -38,7 +39,6 @@ from rlpipe.weights.checkpoints import (
     recovery_base,
     stored_train_states,
     stored_versions,
-    train_state_key,
 )
 
 
@@ -131,8 +131,7 @@ def prune_run(db: Database, store: ObjectStore, run_id: str, policy: RetentionCo
         store.delete(manifest_key(run_id, version))
     old_states = sorted(k for k in found.train_states if found.base is not None and k < found.base.trained_steps)
     for step in old_states:
-        freed += store.head(train_state_key(run_id, step)).size
-        store.delete(train_state_key(run_id, step))
+        freed += delete_train_state(store, run_id, step)
     return Pruned(marked, old_states, freed)
 
 
