@@ -345,12 +345,19 @@ class TrainingRunWorkflow:
         return any(not task.done() for task in self.syncing.values())
 
     def _loading(self, server: str) -> bool:
-        """Whether a load into `server`, which is up, is in flight: a drained server leaves the run
-        only after it (a server reported down leaves at once: its load retries until it is back;
-        runs whose drains were recorded before this let it leave at once too)."""
+        """Whether `server`'s sync loop (a load, or the evaluation after it) is running on it while it
+        is up: a drained server leaves the run only once it ends. One reported down, or still joining,
+        does not wait for a load that may retry for sync.timeout_s: it leaves, and `_gone` makes its
+        loop end and its late load not count. Runs whose drains were recorded before this let every
+        drained server leave at once."""
         loop = self.syncing.get(server)
         return (loop is not None and not loop.done() and server in self.state.server_versions
                 and workflow.patched("leave-after-last-load"))
+
+    def _gone(self, server: str) -> bool:
+        """Whether `server` left the run while its sync loop ran (see `_loading`); runs whose drains
+        were recorded before this went on loading it."""
+        return server not in self.state.servers and workflow.patched("leave-after-last-load")
 
     async def _keep_in_sync(self, server: str) -> None:
         """Load the newest version into `server` until it holds it (a version published meanwhile
@@ -361,12 +368,12 @@ class TrainingRunWorkflow:
         sidecar restores the newest version when the server comes back. A server drained meanwhile
         may leave the run once the loop ends."""
         await self._catch_up(server)
-        if server in self.state.draining:
+        if server in self.state.draining and workflow.patched("leave-after-last-load"):
             self.syncing.pop(server, None)
             self._let_drained_servers_leave()
 
     async def _catch_up(self, server: str) -> None:
-        while server not in self.state.draining and \
+        while server not in self.state.draining and not self._gone(server) and \
                 (version := self.state.version) > self.state.server_versions.get(server, -1):
             if not await self._load(server, version):
                 if workflow.patched("sync-newer-after-a-failed-load") and self.state.version > version:
@@ -385,6 +392,8 @@ class TrainingRunWorkflow:
         except ActivityError as err:
             outcome, why = None, _describe(err)
         if outcome is not None and outcome.status == "ok":
+            if self._gone(server):   # it left the run while loading: what it holds is not the run's to route to
+                return False
             self.state.server_versions[server] = max(version, self.state.server_versions.get(server, 0))
             if server in self.state.joining:
                 self.state.joining.remove(server)

@@ -334,6 +334,28 @@ async def test_a_server_drained_during_a_load_leaves_once_the_load_has_ended(tem
     assert [v for s, v in books.loads_started if s == "1" and v > loading] == [], "a drained server loads no more"
 
 
+async def test_a_server_drained_while_down_leaves_at_once_and_its_late_load_does_not_count(
+        temporal_client: Client) -> None:
+    books = FakeBooks(servers=["0", "1"], train_delay_s=0.3)
+    cfg = config(steps=4)
+    async with fake_pipeline(temporal_client, books):
+        handle = await start_run(temporal_client, cfg)
+        await until(lambda: books.server_version.get("1", -1) >= 0, "server 1 holds the base policy", timeout_s=30)
+        books.held_loads.add("1")
+        await until(lambda: [v for s, v in books.loads_started if s == "1" and v >= 1], "a load into server 1",
+                    timeout_s=30)
+        await handle.signal(SERVER_STATE_SIGNAL, ServerState("1", None))   # its sidecar: it went down
+        status = await handle.execute_update(TrainingRunWorkflow.drain_server, DrainRequest("1", move=True))
+        assert status.left_servers == ["1"], "a server that is down does not wait for its load"
+        calls_on_1 = books.generated_on.count("1")
+        books.held_loads.clear()   # the load lands after all
+        result = await finished(handle)
+        status = await handle.query(TrainingRunWorkflow.status)
+    assert result.steps == 4 and "1" not in status.server_versions, "a load that landed after it left does not count"
+    assert books.generated_on.count("1") == calls_on_1, "no group went to server 1 after it left"
+    assert len([v for s, v in books.loads_started if s == "1" and v >= 1]) == 1, "its loop ended with that load"
+
+
 async def test_draining_an_unknown_or_the_last_server_is_refused(temporal_client: Client) -> None:
     books = FakeBooks(servers=["0", "1"], train_delay_s=0.3)
     cfg = config(steps=3)

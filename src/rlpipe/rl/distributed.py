@@ -11,9 +11,9 @@ the parameters, gradients and AdamW state. The trainer worker then drives it:
     with DataParallelGroup(2, model_fn, optimizer_fn) as group:
         plan = plan_step(samples, advantage=..., loss=..., batch=BatchConfig(world_size=2), pad_token_id=0)
         metrics = group.step(plan.shards, loss_cfg, grad_clip=1.0, seed=7)  # rank 0's metrics
-        weights = group.state_dict()                                 # the full weights, to checkpoint
-        state = group.optimizer_state_dict()                         # the full optimizer state, to checkpoint
-        group.load_optimizer_state_dict(state)                       # a restore: sharded over the ranks
+        weights = group.state_dict()                                 # the full weights, to publish
+        group.save_train_state(directory)                            # recovery: each rank writes its shards
+        group.load_train_state(directory)                            # a restore, at any world size
         probe = group.call(fn)                                       # fn(model) on every rank; rank 0's answer
 
 In a step every rank runs forward and backward over its own micro-batches (rl/step.py); FSDP
@@ -24,9 +24,11 @@ norm and steps its shard. Because each pass is a collective, every rank must run
 shards get as many micro-batches as the longest (empty ones added), a rank forwards a zero-loss
 filler for each empty micro-batch, and `call` runs on every rank.
 
-The full state (the weights a checkpoint publishes, the optimizer state recovery stores) is
-gathered onto rank 0 in the single-process format: the optimizer state keyed by parameter index,
-as `optimizer.state_dict()` is, so a checkpoint restores at any world size.
+The weights a checkpoint publishes are gathered whole onto rank 0. The recovery state is not:
+each rank writes its own shards of the weights and AdamW's state (rl/train_state.py), which load
+back at any world size. (`optimizer_state_dict` and `load_optimizer_state_dict` move a full
+optimizer state keyed by parameter index, as `optimizer.state_dict()` has it: how recovery states
+were stored before, still restored.)
 A step given a seed reseeds rank r's torch generator with seed * world_size + r first, so a
 replayed step draws the same random numbers. A failure on any rank closes the group and raises
 in the caller with that rank's traceback. With NCCL, a rank uses its host's GPU number LOCAL_RANK
@@ -313,7 +315,7 @@ class RankGroup:
         updates = [_same_length(shards) for shards in updates]
         commands = [Command("train", ([list(shards[rank]) for shards in updates], cfg, epochs, grad_clip, seed))
                     for rank in range(self.world_size)]
-        return cast(dict[str, float], self._send(commands))  # the answers come through a queue, untyped
+        return cast(dict[str, float], self._send(commands))  # answers arrive pickled, untyped
 
     def state_dict(self) -> dict[str, Tensor]:
         """The full model weights, gathered onto the CPU."""

@@ -14,7 +14,9 @@ its RANK, LOCAL_RANK and WORLD_SIZE and the address of the process group's store
 NCCL with GPUs). The controller hosts a second, small store of its own for commands: a group
 (one engine, until a restore) is a generation id; the controller writes what to build and then
 one pickled command per rank and sequence number, and every rank answers each (rank 0 with the
-result, as in rl/distributed.py). Values go in chunks: TCPStore refuses values over 8 MiB.
+result, as in rl/distributed.py). Values go in chunks (TCPStore refuses values over 8 MiB), except
+large ones between processes that see the controller's directory (ranks on its host, or on a shared
+filesystem): those go through a file there, named in the store (the full weights of a publish).
 
 A rank beats (a counter in the store) every BEAT_S seconds from a thread; the controller fails the
 command in flight, naming the rank and its host, when the rank has not beaten for `dead_after_s`
@@ -29,8 +31,10 @@ filesystem, or the same copy on each).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,7 +67,13 @@ from rlpipe.schemas.algorithm import Precision
 RENDEZVOUS_ID = "rlpipe-trainer"
 """torchrun's --rdzv-id: one trainer per rendezvous endpoint, so the id is the same for every group."""
 CHUNK_BYTES = 4 << 20
+FILE_BYTES = 64 << 20
+"""Values this large go through a file where both ends see the controller's directory."""
+FILE_MARK = b"file:"
+PR_SET_PDEATHSIG = 1
 BEAT_S = 2.0
+AGENT_STOP_S = 35.0
+"""How long a SIGTERMed torchrun agent gets: it gives its ranks 30 s to stop."""
 CURRENT = "group"
 """The store key naming the current generation ("aborted:<id>" once the controller gave it up)."""
 
@@ -115,10 +125,16 @@ class TorchrunRanks(BaseModel):
                 "--max-restarts=0", "-m", "rlpipe.rl.torchrun", f"--controller={self.controller}"]
 
 
-# -- the store: chunked values ------------------------------------------------------------------------
-def put(store: dist.Store, key: str, value: Any) -> None:
-    """Pickle `value` into `key` in chunks (the count last, so that a reader never sees part of it)."""
+# -- the store: chunked values, or files -------------------------------------------------------------
+def put(store: dist.Store, key: str, value: Any, shared_dir: Path | None = None) -> None:
+    """Pickle `value` into `key` in chunks (the count last, so that a reader never sees part of it);
+    a large value goes into a file in `shared_dir` instead, when the reader sees that directory."""
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    if shared_dir is not None and len(data) >= FILE_BYTES:
+        path = shared_dir / (key.replace("/", "-") + ".pkl")
+        path.write_bytes(data)
+        store.set(key, FILE_MARK + str(path).encode())  # type: ignore[arg-type]  # the stub says str
+        return
     chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
     for i, chunk in enumerate(chunks):
         store.set(f"{key}/{i}", chunk)  # type: ignore[arg-type]  # the stub says str; bytes go as they are
@@ -131,7 +147,15 @@ def ready(store: dist.Store, key: str) -> bool:
 
 def take(store: dist.Store, key: str, *, keep: bool = False) -> Any:
     """The value `put` wrote at `key` (which must be ready); deleted unless `keep`."""
-    count = int(store.get(key))
+    head = store.get(key)
+    if head.startswith(FILE_MARK):
+        path = Path(head[len(FILE_MARK):].decode())
+        data = path.read_bytes()
+        if not keep:
+            path.unlink()
+            store.delete_key(key)
+        return pickle.loads(data)
+    count = int(head)
     data = b"".join(store.get(f"{key}/{i}") for i in range(count))
     if not keep:
         for i in range(count):
@@ -168,15 +192,20 @@ class TorchrunGroup(RankGroup):
                                     timeout=timedelta(seconds=60))
         self._gen, self._seq, self._closed = uuid.uuid4().hex[:12], 0, False
         self._beats: dict[int, tuple[int, float]] = {}
-        self.places: dict[int, str] = {}   # rank -> "host pid N", once it has joined
-        self._log = Path(tempfile.mkstemp(prefix="rlpipe-torchrun-", suffix=".log")[1])
+        self.places: dict[int, str] = {}   # rank -> "host H pid N", once it has joined
+        self._dir = Path(tempfile.mkdtemp(prefix="rlpipe-torchrun-"))   # the agent's log, large values
+        (self._dir / self._gen).touch()   # a rank that sees this file sees the directory
+        self._log = self._dir / "agent.log"
         put(self._store, f"{self._gen}/build",
             RankBuild(world_size, model_fn, optimizer_fn, ref_model_fn, precision, timeout_s))
+        self._store.set(f"{self._gen}/dir", str(self._dir))
         self._store.set(CURRENT, self._gen)
         with self._log.open("wb") as log:
             self._agent = subprocess.Popen(ranks.agent_command(per_host), stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
-        self.places = self._collect(0, ranks.join_timeout_s)
+        joined = self._collect(0, ranks.join_timeout_s)
+        self.places = {rank: place for rank, (place, _) in joined.items()}
+        self._sharing = {rank for rank, (_, sees_dir) in joined.items() if sees_dir}
 
     def close(self) -> None:
         """Stop the ranks (each host's agent then exits) and this host's agent; safe to call twice."""
@@ -185,10 +214,10 @@ class TorchrunGroup(RankGroup):
         try:
             self._seq += 1
             for rank in range(self.world_size):
-                put(self._store, self._key("cmd", self._seq, rank), Command("close"))
+                self._put_command(rank, Command("close"))
             self._collect(self._seq, 30.0)
         except RuntimeError:
-            pass  # _collect has aborted the group
+            return  # _collect has aborted the group: nothing is left to stop
         self._stop_agent(grace_s=30.0)
         self._end()
 
@@ -197,8 +226,11 @@ class TorchrunGroup(RankGroup):
             raise RuntimeError("the torchrun rank group is closed")
         self._seq += 1
         for rank, cmd in enumerate(commands):
-            put(self._store, self._key("cmd", self._seq, rank), cmd)
+            self._put_command(rank, cmd)
         return self._collect(self._seq, self._timeout_s)[0]
+
+    def _put_command(self, rank: int, cmd: Command) -> None:
+        put(self._store, self._key("cmd", self._seq, rank), cmd, self._dir if rank in self._sharing else None)
 
     def _key(self, kind: str, seq: int, rank: int) -> str:
         return f"{self._gen}/{kind}/{seq}/{rank}"
@@ -262,23 +294,25 @@ class TorchrunGroup(RankGroup):
         raise RuntimeError(why)
 
     def _stop_agent(self, grace_s: float) -> None:
+        """Let this host's agent exit (`grace_s`), else SIGTERM it (it stops its ranks, for up to
+        30 s), else SIGKILL it; its ranks die with it (rank_main asks for that)."""
         try:
             self._agent.wait(timeout=grace_s) if grace_s else None
         except subprocess.TimeoutExpired:
             pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, wait_s in ((signal.SIGTERM, AGENT_STOP_S), (signal.SIGKILL, 10.0)):
             if self._agent.poll() is not None:
                 break
             try:
-                os.killpg(self._agent.pid, sig)   # the agent and the ranks it started
-                self._agent.wait(timeout=10)
+                os.killpg(self._agent.pid, sig)
+                self._agent.wait(timeout=wait_s)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
 
     def _end(self) -> None:
         self._closed = True
-        del self._store   # its server stops: a rank still polling it exits
-        self._log.unlink(missing_ok=True)
+        self.__dict__.pop("_store", None)   # its server stops: a rank still polling it exits
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _log_tail(self, chars: int = 3000) -> str:
         try:
@@ -288,15 +322,26 @@ class TorchrunGroup(RankGroup):
 
 
 # -- a rank -------------------------------------------------------------------------------------------
+class RankAbandoned(RuntimeError):
+    """The controller has no group for this rank to join (it gave it up, or none started)."""
+
+
 class _Channel:
     """A rank's end of the controller's store: the next command, answers, heartbeats."""
 
     def __init__(self, controller: str, rank: int) -> None:
         self.controller, self.rank = controller, rank
         self.store = connect(controller, timeout_s=300.0)
+        deadline = time.monotonic() + 60.0
         while not ready(self.store, CURRENT):   # the controller sets it once the build is written
+            if time.monotonic() > deadline:
+                raise RankAbandoned(f"the trainer at {controller} started no group of ranks")
             time.sleep(0.1)
         self.gen = self.store.get(CURRENT).decode()
+        if self.gen.startswith("aborted:"):
+            raise RankAbandoned(f"the trainer at {controller} gave its group of ranks up")
+        shared = Path(self.store.get(f"{self.gen}/dir").decode())
+        self.shared_dir = shared if (shared / self.gen).exists() else None   # the controller's, seen from here
         self.seq = 0
         self._stopped = threading.Event()
 
@@ -338,7 +383,7 @@ class _Channel:
 
     def answer(self, status: str, payload: Any) -> None:
         try:
-            put(self.store, f"{self.gen}/ans/{self.seq}/{self.rank}", (status, payload))
+            put(self.store, f"{self.gen}/ans/{self.seq}/{self.rank}", (status, payload), self.shared_dir)
         except RuntimeError:
             pass   # the controller is gone: nobody to tell
 
@@ -350,9 +395,14 @@ def rank_main(controller: str) -> int:
     """One rank under torchrun: build from what the controller wrote, then serve its commands."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    _die_with_the_agent()
     threads = os.environ.get("OMP_NUM_THREADS", "").strip()
     torch.set_num_threads(int(threads) if threads.isdigit() else max(1, (os.cpu_count() or 1) // local_world))
-    channel = _Channel(controller, rank)
+    try:
+        channel = _Channel(controller, rank)
+    except RankAbandoned as err:
+        print(f"rank {rank}: {err}", file=sys.stderr)
+        return 1
     channel.beat()
     place = f"host {socket.gethostname()} pid {os.getpid()}"
     try:
@@ -367,19 +417,39 @@ def rank_main(controller: str) -> int:
         channel.stop()
         return 1
     channel.seq = 0
-    channel.answer("ok", place)
+    channel.answer("ok", (place, channel.shared_dir is not None))
     serve(state, channel.next_command, channel.answer)
     channel.answer("ok", None)   # to the close
     channel.stop()
     return 0
 
 
+def _die_with_the_agent() -> None:
+    """Ask Linux to SIGKILL this rank when its agent dies: torchrun starts each rank in a session
+    of its own, which a signal to the agent's session does not reach."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass   # not Linux: an orphaned rank still exits once the controller's store is gone
+
+
 def keep_joining(ranks: TorchrunRanks, ranks_per_host: int, log: Callable[[str], None] = print) -> None:
-    """Another host's part: run its torchrun agent, again as each group ends, until interrupted."""
+    """Another host's part: run its torchrun agent, again as each group ends, until interrupted
+    (Ctrl-C or SIGTERM, which stop the agent and its ranks first)."""
     command = ranks.agent_command(ranks_per_host)
     log(f"joining the trainer's ranks at {ranks.rendezvous}: {' '.join(command)}")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM as Ctrl-C: stop the agent below
     while True:
-        code = subprocess.call(command)
+        agent = subprocess.Popen(command)
+        try:
+            code = agent.wait()
+        except KeyboardInterrupt:
+            agent.terminate()   # torchrun stops its ranks
+            try:
+                agent.wait(timeout=AGENT_STOP_S)
+            except subprocess.TimeoutExpired:
+                agent.kill()   # its ranks die with it (_die_with_the_agent)
+            raise
         log(f"the group ended (agent exit code {code}); joining the next one")
         time.sleep(2.0)
 

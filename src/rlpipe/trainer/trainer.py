@@ -336,7 +336,7 @@ class Trainer:
                  *, background: bool = False, expect_sha256: str | None = None) -> tuple[Manifest, dict]:
         """Save the engine's weights as `version` into this machine's cache, hash them, probe them
         (the reference logprobs a server must reproduce: the fp32 forward of the saved bytes) and upload them, with the
-        optimizer state where the recovery policy asks for it (recovery only: never part of the
+        recovery state where the recovery policy asks for it (recovery only: never part of the
         inference checkpoint); with `background` the upload runs beside the next step. A re-created
         version (`expect_sha256`) must have the committed weights' bytes. `timings` gets the seconds
         of each part (the profile of benchmarks/trainer_efficiency.py)."""

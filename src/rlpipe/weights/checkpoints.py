@@ -88,7 +88,7 @@ def stored_train_states(store: ObjectStore, run_id: str) -> set[int]:
     for info in store.list(prefix):
         rest = info.key[len(prefix):]
         if rest.endswith(".pt") or rest.endswith("/" + TRAIN_STATE_INDEX):
-            steps.add(int(rest[:6]))
+            steps.add(int(rest.split("/")[0].removesuffix(".pt")))
     return steps
 
 
@@ -101,8 +101,8 @@ def upload_train_state(store: ObjectStore, run_id: str, step: int, directory: Pa
 
 
 def download_train_state(store: ObjectStore, run_id: str, step: int, directory: Path) -> bool:
-    """Fetch the recovery state of `step` into `directory`, each file checked against its sha256;
-    False when the run stored it as one file (`train_state_key`)."""
+    """Fetch the recovery state of `step` into `directory`, each file checked against the sha256
+    recorded at its upload; False when the run stored it as one file (`train_state_key`)."""
     prefix = train_state_prefix(run_id, step)
     keys = [info.key for info in store.list(prefix)]
     if prefix + TRAIN_STATE_INDEX not in keys:
@@ -137,7 +137,7 @@ def stored_versions(store: ObjectStore, run_id: str) -> set[int]:
 def recovery_base(versions: Iterable[PolicyVersion], durable: set[int], train_states: set[int],
                   step: int) -> PolicyVersion | None:
     """Where a restore to `step` starts: the newest of `versions` trained for at most `step` steps
-    that is durable and whose optimizer state is stored, or the base model (version 0, trained for
+    that is durable and whose recovery state is stored, or the base model (version 0, trained for
     0 steps, restored with a fresh optimizer). None when there is neither."""
     candidates = [v for v in versions if v.trained_steps <= step and v.version in durable
                   and (v.trained_steps == 0 or v.trained_steps in train_states)]
