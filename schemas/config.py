@@ -127,6 +127,14 @@ class SyncConfig(Strict):
     """The dtype of the published inference weights. bfloat16 halves what every sync moves; the
     trainer's fp32 master weights then travel in the optimizer's recovery state, so a restore
     stays exact."""
+    transport: Literal["file", "stream"] = "file"
+    """How a server gets a version. file: its sidecar reads the checkpoint (the trainer's files when
+    shared, else a download from S3) and vLLM reloads it from disk. stream: the server's vLLM
+    weight-transfer engine pulls it from the trainer's memory-mapped file over TCP while it still
+    serves, in buckets in the server's dtype, each checked by crc32 (weights/stream.py), and the
+    pause only loads it: no file is downloaded, and the trainer uploads to S3 (the durable record)
+    beside its next step instead of before it publishes. A version the trainer no longer serves (a
+    restarted trainer, a deleted file) is loaded as by file."""
     timeout_s: float = Field(600.0, gt=0)
     recovery_state_every: int = Field(8, ge=1)
     """Store the recovery state (for trainer recovery only) with a published version when at least this

@@ -165,6 +165,9 @@ class PolicyVersion(Base):
     created_at: Mapped[timestamp_now]
     deleted_at: Mapped[datetime | None]
     """When the run's retention policy deleted the version's bytes (the row, with its hash, stays)."""
+    stream_endpoint: Mapped[str | None] = mapped_column(Text)
+    """The trainer's weight stream ("host:port") that served the version when it was published
+    (weights/stream.py); null when none did."""
 
 
 class RolloutGroup(Base):
@@ -382,6 +385,9 @@ class SyncEvent(Base):
     reload_s: Mapped[float | None] = mapped_column(Float)
     verify_s: Mapped[float | None] = mapped_column(Float)
     total_s: Mapped[float | None] = mapped_column(Float)
+    transport: Mapped[str | None] = mapped_column(Text)
+    """How the weights reached the server: "file" (read or downloaded, then reloaded) or "stream"
+    (pulled from the trainer by the server's weight-transfer engine); null when it never started."""
     probe_max_abs_diff: Mapped[float | None] = mapped_column(Float)
     """Largest |server - trainer| logprob on the probe tokens after loading."""
     probe_tolerance: Mapped[float | None] = mapped_column(Float)

@@ -14,6 +14,7 @@ from rlpipe.schemas.payloads import TRAINER_QUEUE
 from rlpipe.storage.db import Database
 from rlpipe.storage.object_store import ObjectStore
 from rlpipe.trainer.trainer import Trainer
+from rlpipe.weights.stream import WeightStreamServer
 from rlpipe.workers.common import WORKER_CONNECT_WAIT_S, connect, endpoints, setup_logging, start_metrics
 from rlpipe.workers.ranks import ranks_from_env
 
@@ -40,8 +41,12 @@ async def run_trainer_worker() -> None:
                  "host run: RLPIPE_TRAINER_RANKS=torchrun RLPIPE_TRAINER_NNODES=%d RLPIPE_TRAINER_RENDEZVOUS=%s "
                  "RLPIPE_TRAINER_CONTROLLER_PORT=%d rlpipe worker ranks --per-host <world_size / hosts>",
                  ranks.nnodes, ranks.rendezvous, ranks.nnodes, ranks.rendezvous, ranks.controller_port)
-    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), load_settings().home.resolve() / "trainer",
-                      background_uploads=background_uploads(), ranks=ranks)
+    settings = load_settings()
+    # answers only the inference servers' engines, which the sidecars hand the servers' admin token
+    stream = WeightStreamServer(settings.weight_stream_host or settings.host, settings.weight_stream_port,
+                                token=ep.inference_token).start()
+    trainer = Trainer(db, ObjectStore.from_endpoints(ep), RunContexts(db), settings.home.resolve() / "trainer",
+                      background_uploads=background_uploads(), ranks=ranks, stream=stream)
     training = TrainingActivities(db, trainer)
     # one activity at a time: the model is a single in-memory state advanced step by step
     worker = Worker(client, task_queue=TRAINER_QUEUE, activities=[training.init_policy, training.train_step],
@@ -51,3 +56,4 @@ async def run_trainer_worker() -> None:
         await worker.run()
     finally:
         trainer.shutdown()  # the upload in flight, then the data-parallel ranks (they also exit if this process dies)
+        stream.close()

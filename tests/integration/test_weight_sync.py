@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -55,8 +55,10 @@ from rlpipe.weights.labels import (
 )
 from rlpipe.weights.retention import Pruned, prune_run
 from rlpipe.weights.sidecar import Sidecar
+from rlpipe.weights.stream import WeightStreamServer
 from rlpipe.weights.sync import probe_logprob_diff
 from rlpipe.weights.tolerance import FP32_SERVER_TOLERANCE
+from tests.flipping_proxy import FlippingProxy
 from tests.integration.in_flight import IN_FLIGHT, LONG, start_long_requests, until_generating
 from tests.integration.runs import cli
 
@@ -104,16 +106,22 @@ class Run:
     probes: dict[str, dict]
     checkpoints: dict[str, Path]
 
-    def publish(self, weights: str, probe_of: str | None = None, directory: Path | None = None) -> int:
+    def publish(self, weights: str, probe_of: str | None = None, directory: Path | None = None,
+                stream: WeightStreamServer | None = None, endpoint: str | None = None) -> int:
         """Publish the next version with the checkpoint `weights` (or the files in `directory`)
-        and the probe of `probe_of` (default: the same weights). Returns the version."""
+        and the probe of `probe_of` (default: the same weights), offered by `stream` as the trainer
+        offers it (advertised at `endpoint`, default the stream's own). Returns the version."""
         with self.db.begin() as s:
             version = s.scalar(sa.select(sa.func.count()).where(PolicyVersion.run_id == self.name))
-        manifest = upload_checkpoint(self.store, self.name, version, version, directory or self.checkpoints[weights])
+        files = directory or self.checkpoints[weights]
+        manifest = upload_checkpoint(self.store, self.name, version, version, files)
+        if stream is not None:
+            stream.offer(self.name, version, files)
         with self.db.begin() as s:
             s.add(PolicyVersion(run_id=self.name, version=version, trained_steps=version,
                                 checkpoint_key=manifest_key(self.name, version), sha256=manifest.weights.sha256,
-                                size_bytes=manifest.total_bytes, probe=self.probes[probe_of or weights]))
+                                size_bytes=manifest.total_bytes, probe=self.probes[probe_of or weights],
+                                stream_endpoint=endpoint or (stream.endpoint if stream is not None else None)))
         return version
 
     def manifest(self, version: int) -> Manifest:
@@ -129,9 +137,11 @@ class Run:
 @pytest.fixture
 def make_run(migrated_db: Database, object_store: ObjectStore, probes: dict[str, dict],
              checkpoints: dict[str, Path], tiny_model: Path):  # type: ignore[no-untyped-def]
-    def make(mode: PauseMode = "wait", retention: dict[str, int] | None = None, bf16: bool = False) -> Run:
+    def make(mode: PauseMode = "wait", retention: dict[str, int] | None = None, bf16: bool = False,
+             transport: str = "file") -> Run:
         """`bf16`: a bf16 trainer publishing bf16 weights, verified by the bound its dtypes call for."""
         sync = {"weights_dtype": "bfloat16"} if bf16 else {"verify_tolerance": TOLERANCE}
+        sync["transport"] = transport
         config = RunConfig.model_validate({
             "name": f"ws-{uuid.uuid4().hex[:10]}", "model": {"path": str(tiny_model)},
             "batch": {"precision": "bf16" if bf16 else "fp32"},
@@ -150,6 +160,15 @@ async def sidecar(migrated_db: Database, object_store: ObjectStore, spare_server
                       model_name=SERVED_MODEL_NAME, admin_token=spare_server_token)
     yield sidecar
     await sidecar.aclose()
+
+
+@pytest.fixture
+def stream(spare_server_token: str) -> Iterator[WeightStreamServer]:
+    """The trainer's weight stream (asking for the servers' admin token, as the trainer worker's does),
+    with buckets small enough that the tiny model (1.7 MB) needs several."""
+    server = WeightStreamServer(token=spare_server_token, bucket_bytes=256 * 1024).start()
+    yield server
+    server.close()
 
 
 @pytest.fixture
@@ -210,6 +229,65 @@ async def test_every_sync_matches_the_trainers_probe_and_versions_only_move_forw
         assert outcome.status == "ok" and outcome.error.startswith("skipped")
     assert [(e.version, e.attempts) for e in run.events()] == [(0, 1), (1, 1), (2, 1)]
     await assert_serves(client, run.probes["b"], "2")
+
+
+# -- the hot path: streamed from the trainer -----------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_versions_stream_from_the_trainer_into_the_server_with_no_file_download(
+        make_run, sidecar: Sidecar, client: InferenceClient,
+        stream: WeightStreamServer) -> None:  # type: ignore[no-untyped-def]
+    run = make_run(transport="stream")
+    for weights in ("base", "a", "b"):
+        version = run.publish(weights, stream=stream)
+        outcome = await sidecar.sync(run.name, version)
+        assert outcome.status == "ok", outcome.error
+        await assert_serves(client, run.probes[weights], str(version))
+    for version, event in enumerate(run.events()):
+        assert_verified(event, version)
+        assert (event.transport, event.bytes, event.download_s) == ("stream", 0, None)
+        assert 0 < event.reload_s <= event.pause_s <= event.total_s  # the pull is inside the pause
+    assert not list(sidecar.work_dir.rglob(WEIGHTS_FILE))  # nothing was downloaded
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_bucket_altered_in_flight_is_refused_and_the_server_rolled_back(
+        make_run, sidecar: Sidecar, client: InferenceClient, stream: WeightStreamServer,
+        prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    run = make_run(transport="stream")
+    assert (await sidecar.sync(run.name, run.publish("base", stream=stream))).status == "ok"
+    proxy = FlippingProxy(stream.endpoint, at=600_000)  # past the header and bucket 0 (256 KiB): in bucket 2
+    try:
+        altered = run.publish("a", stream=stream, endpoint=proxy.endpoint)
+        outcome = await sidecar.sync(run.name, altered)
+    finally:
+        proxy.close()
+    assert outcome.status == "failed" and "back on 0" in (outcome.error or ""), outcome.error
+    assert "crc32" in (outcome.error or "")
+    await assert_serves(client, run.probes["base"], "0")  # rolled back, streamed again from the trainer
+    assert (await client.complete(prompt, max_tokens=8, seed=1)).finish_reason in ("length", "stop")
+    event = run.events()[-1]
+    assert (event.version, event.status, event.transport) == (altered, "failed", "stream")
+    assert run.failures()[-1].error_type == "ReloadFailed"
+    good = run.publish("b", stream=stream)  # the same trainer, reached directly: loads and verifies
+    assert (await sidecar.sync(run.name, good)).status == "ok"
+    await assert_serves(client, run.probes["b"], str(good))
+
+
+@pytest.mark.vllm
+@pytest.mark.stack
+async def test_a_version_the_trainer_no_longer_serves_loads_from_its_durable_copy(
+        make_run, sidecar: Sidecar, client: InferenceClient,
+        stream: WeightStreamServer) -> None:  # type: ignore[no-untyped-def]
+    run = make_run(transport="stream")
+    assert (await sidecar.sync(run.name, run.publish("base", stream=stream))).status == "ok"
+    version = run.publish("a", stream=stream)
+    stream.close()  # a trainer that restarted since: its endpoint answers no more
+    outcome = await sidecar.sync(run.name, version)
+    assert outcome.status == "ok" and outcome.bytes > 0, outcome.error  # downloaded from S3
+    await assert_serves(client, run.probes["a"], str(version))
+    assert [(e.version, e.transport) for e in run.events()] == [(0, "stream"), (version, "file")]
 
 
 # -- pause modes ------------------------------------------------------------------------------------

@@ -182,8 +182,9 @@ def test_containers_pass_only_settings_their_program_reads(settings_names: set[s
     for container in containers():
         command = " ".join(container["command"] + container.get("args", []))
         for var in container.get("env", []):
-            if "fieldRef" in var.get("valueFrom", {}):  # Kubernetes' own plumbing: fed into the command line
-                assert f"$({var['name']})" in command, f"{container['name']}: {var['name']} is unused"
+            if "fieldRef" in var.get("valueFrom", {}):  # Kubernetes' own plumbing: a setting, or fed into the command
+                assert f"$({var['name']})" in command or var["name"] in settings_names, \
+                    f"{container['name']}: {var['name']} is unused"
             elif container["name"] == "vllm":
                 assert var["name"] in vllm_sets, f"vllm: {var['name']} is not what vllm_command sets"
             else:
@@ -247,7 +248,10 @@ def test_worker_metrics_ports_are_the_codes() -> None:
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         kind = container["command"][2]
         if kind != "sidecar":  # one port per server index: not declarable in a shared pod template
-            assert ports == {"metrics": metrics_port(kind), "sdk-metrics": sdk_metrics_port(metrics_port(kind))}
+            stream = {e["name"]: e.get("value") for e in container.get("env", [])}.get("RLPIPE_WEIGHT_STREAM_PORT")
+            served = {"weight-stream": int(stream)} if stream else {}  # the trainer's, where it streams weights
+            assert ports == {"metrics": metrics_port(kind), "sdk-metrics": sdk_metrics_port(metrics_port(kind)),
+                             **served}
 
 
 def test_every_volume_a_container_mounts_is_declared() -> None:

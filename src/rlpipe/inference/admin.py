@@ -5,7 +5,7 @@ A weight sync is: pause -> reload_weights -> update_weight_version -> reset_pref
 
 - Reload goes through `POST /collective_rpc`, which reads a safetensors directory in place
   (`model.load_weights(...)` leaves empty weights on CPU: oneDNN repacking). The method is
-  `reload_weights_tied` from rlpipe.infra.vllm.WeightReloadExtension, which the server loads with
+  `reload_weights_tied` from rlpipe.inference.worker_extension.WeightReloadExtension, which the server loads with
   `--worker-extension-cls` (see infra.vllm.vllm_command): vLLM's own `reload_weights` leaves
   a tied `lm_head` (SmolLM2) computing logits from the old embedding.
 - The prefix cache holds KV computed by the old weights. `/pause` already drops it and
@@ -16,13 +16,15 @@ A weight sync is: pause -> reload_weights -> update_weight_version -> reset_pref
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Literal
 
 import httpx
 
 from rlpipe.inference.admin_guard import bearer
-from rlpipe.inference.client import RequestRejectedError, request_json
+from rlpipe.inference.client import InferenceError, RequestRejectedError, request_json
+from rlpipe.weights.stream import StreamSource
 
 PauseMode = Literal["abort", "keep", "wait"]
 # abort: in-flight requests answer at once (HTTP 200) with finish_reason "abort" and the
@@ -98,6 +100,32 @@ class InferenceAdmin:
         body = {"method": "reload_weights_tied", "kwargs": {"weights_path": str(weights_dir)}}
         await request_json(self._http, "POST", "/collective_rpc", json=body)
 
+    async def stage_weights(self, source: StreamSource, poll_s: float = 0.05) -> str | None:
+        """Have the server pull the version `source` names into host memory while it goes on
+        serving, and wait until it has (polling: vLLM runs a worker call between engine steps, so a
+        blocking one would stall generation). Returns None when staged, else why not (the load
+        then pulls it directly, inside the pause)."""
+        body = {"method": "stage_weights", "kwargs": {"update_info": _update_info(source)}}
+        state = (await request_json(self._http, "POST", "/collective_rpc", json=body))["results"][0]
+        while not state.get("done"):
+            await asyncio.sleep(poll_s)
+            state = (await request_json(self._http, "POST", "/collective_rpc",
+                                        json={"method": "staged_weights"}))["results"][0]
+        return state.get("error")
+
+    async def stream_weights(self, source: StreamSource) -> None:
+        """Load the version `source` names through vLLM's weight-transfer routes: the server's
+        engine (inference/stream_engine.py) pulls it from the trainer bucket by bucket. Like a
+        reload, one that fails part-way (an altered bucket, a lost trainer) leaves the model
+        half-loaded: load good weights before resuming."""
+        await request_json(self._http, "POST", "/start_weight_update")
+        try:
+            await request_json(self._http, "POST", "/update_weights", json={"update_info": _update_info(source)})
+        except InferenceError:
+            await _end_update_session(self._http)
+            raise
+        await request_json(self._http, "POST", "/finish_weight_update", json={})
+
     async def served_dtype(self) -> str:
         """The dtype the server computes in, e.g. "float32" or "bfloat16" (asked of its first worker)."""
         body = {"method": "served_dtype"}
@@ -129,3 +157,16 @@ class InferenceAdmin:
         answer = await request_json(self._http, "POST", "/reset_prefix_cache", params=params)
         if not answer.get("success", False):
             raise RequestRejectedError(f"{self.base_url}/reset_prefix_cache", 200, f"prefix cache not reset: {answer}")
+
+
+def _update_info(source: StreamSource) -> dict[str, object]:
+    return {"endpoint": source.endpoint, "run_id": source.run_id, "version": source.version, "token": source.token}
+
+
+async def _end_update_session(http: httpx.AsyncClient) -> None:
+    """After a failed update: vLLM has usually ended the session itself (finish then answers an
+    error, ignored: the update's error is the one that matters)."""
+    try:
+        await request_json(http, "POST", "/finish_weight_update", json={})
+    except InferenceError:
+        pass

@@ -42,6 +42,8 @@ class SyncRecord:
     error: str | None
     started_at: datetime
     finished_at: datetime
+    transport: str | None = None
+    """file | stream (weights/stream.py); None when no load started."""
 
 
 def version_row(s: Session, run_id: str, version: int) -> PolicyVersion:
@@ -63,6 +65,7 @@ def record_sync(s: Session, record: SyncRecord) -> int:
                   bytes=record.bytes, download_s=record.timings.get("download_s"),
                   pause_s=record.timings.get("pause_s"), reload_s=record.timings.get("reload_s"),
                   verify_s=record.timings.get("verify_s"), total_s=record.timings.get("total_s"),
+                  transport=record.transport,
                   probe_max_abs_diff=record.probe_max_abs_diff, probe_tolerance=record.probe_tolerance,
                   greedy_match=record.greedy_match,
                   error=record.error, started_at=record.started_at, finished_at=record.finished_at)

@@ -81,6 +81,7 @@ from rlpipe.weights.checkpoints import (
     upload_train_state,
 )
 from rlpipe.weights.retention import forget_deleted, prune_run
+from rlpipe.weights.stream import WeightStreamServer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,8 @@ class Trainer:
     runs one activity at a time."""
 
     def __init__(self, db: Database, store: ObjectStore, contexts: RunContexts, work_dir: Path, *,
-                 background_uploads: bool | None = None, ranks: TorchrunRanks | None = None) -> None:
+                 background_uploads: bool | None = None, ranks: TorchrunRanks | None = None,
+                 stream: WeightStreamServer | None = None) -> None:
         self.db = db
         self.store = store
         self.contexts = contexts
@@ -130,6 +132,9 @@ class Trainer:
         """The retention pass after the newest commit (on the upload thread, after that upload)."""
         self.ranks = ranks
         """Where data-parallel ranks run when launched by torchrun (several hosts); None: forked here."""
+        self.stream = stream
+        """Serves each version published here to the servers' weight-transfer engines (the sync's hot
+        path, for runs with sync.transport "stream"); None: servers load files only."""
 
     # -- entry points ---------------------------------------------------------------------------
     def init_policy(self, run_id: str) -> PublishedVersion:
@@ -141,7 +146,7 @@ class Trainer:
         self._open(ctx, ctx.model_dir, optimizer_state=None, step=0)
         manifest, probe = self._publish(ctx, version=0, trained_steps=0)
         with self.db.begin() as s:
-            s.add(_version_row(manifest, probe))
+            s.add(self._version_row_of(manifest, probe))
         return PublishedVersion(0, 0, manifest_key(run_id, 0), manifest.weights.sha256)
 
     def train_step(self, inp: TrainStepInput, heartbeat: Heartbeat = lambda: None) -> StepSummary:
@@ -166,10 +171,11 @@ class Trainer:
             published = None
             if inp.publish:
                 with timed(timings, "publish_s"):
-                    # the last step uploads before it returns: nothing follows to hide it behind
+                    # the last step uploads before it returns: nothing follows to hide it behind; a run
+                    # whose servers stream the weights from here never waits for S3 before it publishes
+                    beside = self.background_uploads or ctx.config.sync.transport == "stream"
                     published = self._publish(ctx, version=inp.policy_version + 1, trained_steps=inp.step,
-                                              timings=timings,
-                                              background=self.background_uploads and inp.step < ctx.config.steps)
+                                              timings=timings, background=beside and inp.step < ctx.config.steps)
             else:
                 with timed(timings, "upload_wait_s"):
                     self._finish_upload()
@@ -355,6 +361,8 @@ class Trainer:
                 shutil.rmtree(cached, ignore_errors=True)  # a failed try's files: replaced by this step's
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 directory.rename(cached)  # whole or not at all (same filesystem)
+        if self.stream is not None:
+            self.stream.offer(run_id, version, cached)  # servers may pull it from now on
         with timed(timings, "hash_s"):
             manifest = describe_checkpoint(run_id, version, trained_steps, cached, {WEIGHTS_FILE: saved.sha256})
         if expect_sha256 is not None and manifest.weights.sha256 != expect_sha256:
@@ -451,10 +459,16 @@ class Trainer:
             started_at=started, finished_at=datetime.now(UTC))
         with self.db.begin() as s:
             if published:
-                s.add(_version_row(*published))
+                s.add(self._version_row_of(*published))
                 s.flush()  # the version row first: its trigger checks contiguity
             s.add(row)
         return _summary(row, published[0] if published else None)
+
+    def _version_row_of(self, manifest: Manifest, probe: dict) -> PolicyVersion:
+        return PolicyVersion(run_id=manifest.run_id, version=manifest.version, trained_steps=manifest.trained_steps,
+                             checkpoint_key=manifest_key(manifest.run_id, manifest.version),
+                             sha256=manifest.weights.sha256, size_bytes=manifest.total_bytes, probe=probe,
+                             stream_endpoint=self.stream.endpoint if self.stream is not None else None)
 
     def _committed(self, run_id: str, step: int) -> StepSummary | None:
         with self.db.begin() as s:
@@ -490,10 +504,6 @@ def timed(into: dict[str, float], key: str) -> Iterator[None]:
         into[key] = time.monotonic() - t0
 
 
-def _version_row(manifest: Manifest, probe: dict) -> PolicyVersion:
-    return PolicyVersion(run_id=manifest.run_id, version=manifest.version, trained_steps=manifest.trained_steps,
-                         checkpoint_key=manifest_key(manifest.run_id, manifest.version),
-                         sha256=manifest.weights.sha256, size_bytes=manifest.total_bytes, probe=probe)
 
 
 def _published(row: PolicyVersion) -> PublishedVersion:

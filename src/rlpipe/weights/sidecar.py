@@ -2,8 +2,11 @@
 
 It owns two promises about its server:
 
-1. Syncs are verified and recorded (`sync`): the checkpoint is fetched (sha256-checked, or read
-   from the trainer's directory when the two share a filesystem) before the server is paused;
+1. Syncs are verified and recorded (`sync`): with `sync.transport: stream` the server's own
+   weight-transfer engine pulls the version from the trainer (weights/stream.py) while it serves
+   and loads it while paused, no file involved; otherwise, or when the trainer no longer serves
+   the version, the checkpoint is fetched (sha256-checked, or read from the trainer's directory
+   when the two share a filesystem) before the server is paused;
    a bad checkpoint is refused untouched; a load that fails or does not match the trainer's
    probe goes back to the previous weights; each attempt is a `sync_events` row (a failed one
    also a `failures` row) and a metrics observation.
@@ -41,7 +44,8 @@ from rlpipe.storage.runs import load_run_config, record_failure
 from rlpipe.weights.checkpoints import download_checkpoint, local_version_dir, wait_for_manifest
 from rlpipe.weights.labels import published_label, published_version, verifying_label
 from rlpipe.weights.retention import forget_deleted
-from rlpipe.weights.sync import SyncOutcome, SyncPlan, Weights, load_into_server
+from rlpipe.weights.stream import StreamSource, offered
+from rlpipe.weights.sync import Source, SyncOutcome, SyncPlan, Weights, load_into_server
 from rlpipe.weights.tolerance import UnmeasuredDtype, probe_tolerance
 
 log = logging.getLogger("rlpipe.sidecar")
@@ -68,6 +72,8 @@ class Published:
     probe: dict | None
     deleted: bool = False
     """The run's retention policy deleted its bytes."""
+    stream_endpoint: str | None = None
+    """The trainer's weight stream that served the version when it was published."""
 
 
 class Sidecar:
@@ -85,6 +91,8 @@ class Sidecar:
         """The trainer's published checkpoints (same layout), when this machine shares its filesystem."""
         self.on_state = on_state
         self.admin = InferenceAdmin(url, token=admin_token)
+        self.admin_token = admin_token
+        """Also the token the trainer's weight stream asks the server's engine for."""
         self.held: Weights | None = None
         """The verified weights the server holds (None: unknown, or not a published version)."""
         self.reachable = True
@@ -147,16 +155,22 @@ class Sidecar:
             await attempt.record(outcome)
             return self._observed(target, outcome)
         label = verifying_label(version, attempt.started_at) if config.verify else published_label(version)
-        try:
-            directory, attempt.bytes, attempt.download_s = await asyncio.to_thread(self._fetch, target)
-        except DigestMismatch as exc:  # the server was never touched
-            outcome = SyncOutcome(status="refused", error=f"refused before pausing the server: {exc}")
-            await attempt.record(outcome)
-            return self._observed(target, outcome)
+        source: Source
+        streamed = await asyncio.to_thread(self._streamed, target, config)
+        if streamed is not None:
+            source, attempt.transport = streamed, "stream"
+        else:
+            try:
+                source, attempt.bytes, attempt.download_s = await asyncio.to_thread(self._fetch, target)
+            except DigestMismatch as exc:  # the server was never touched
+                outcome = SyncOutcome(status="refused", error=f"refused before pausing the server: {exc}")
+                await attempt.record(outcome)
+                return self._observed(target, outcome)
+            attempt.transport = "file"
         try:
             tolerance = await self._tolerance(config) if config.verify else None
             previous = await self._rollback_target(held, run_id)
-            plan = SyncPlan(version, directory, target.probe, label, previous, config.pause_mode, tolerance)
+            plan = SyncPlan(version, source, target.probe, label, previous, config.pause_mode, tolerance)
             async with InferenceClient(self.url, self.model_name) as client:
                 outcome = await load_into_server(self.admin, client, plan, attempt.record)
         except UnmeasuredDtype as exc:  # the run must name a bound: every retry would meet the same server
@@ -172,7 +186,7 @@ class Sidecar:
             raise
         await attempt.finish()
         if outcome.status == "ok":
-            self.held = Weights(published_label(version), directory, run_id, version, target.probe)
+            self.held = Weights(published_label(version), source, run_id, version, target.probe)
             await asyncio.to_thread(self._forget_deleted, run_id)
         else:
             self.held = previous if previous.version is not None else None
@@ -194,6 +208,20 @@ class Sidecar:
         fetched = download_checkpoint(self.store, manifest, directory)
         return directory, fetched, time.monotonic() - t0
 
+    def _streamed(self, target: Published, config: SyncConfig) -> StreamSource | None:
+        """The trainer's stream of the version, when the run syncs by stream and the trainer still
+        serves it (a restarted trainer, or a version retention deleted, does not: the file path then
+        loads the durable copy)."""
+        if config.transport != "stream" or target.stream_endpoint is None:
+            return None
+        source = StreamSource(target.stream_endpoint, target.run_id, target.version, self.admin_token)
+        why_not = offered(source)
+        if why_not is None:
+            return source
+        log.warning("%s v%d cannot be streamed to server %s (%s): loading its durable copy", target.run_id,
+                    target.version, self.server, why_not)
+        return None
+
     def _shared_copy(self, target: Published) -> Path | None:
         if self.shared_dir is None:
             return None
@@ -212,7 +240,7 @@ class Sidecar:
         this run's rollouts would take for one of its own versions."""
         if held is None or held.run_id != run_id or held.version is None:
             return Weights(DEFAULT_LABEL, await self.admin.served_model_dir())
-        if held.probe is not None and held.directory.exists():
+        if held.probe is not None and await asyncio.to_thread(_available, held.source):
             return held
         published = await asyncio.to_thread(self._published, run_id, held.version)
         directory, _, _ = await asyncio.to_thread(self._fetch, published)
@@ -275,7 +303,8 @@ class Sidecar:
     def _published(self, run_id: str, version: int) -> Published:
         with self.db.begin() as s:
             row = syncs.version_row(s, run_id, version)
-            return Published(run_id, row.version, row.checkpoint_key, row.sha256, row.probe, row.deleted_at is not None)
+            return Published(run_id, row.version, row.checkpoint_key, row.sha256, row.probe, row.deleted_at is not None,
+                             row.stream_endpoint)
 
     def _forget_deleted(self, run_id: str) -> None:
         """Remove this machine's downloads of the run's versions that retention deleted (the
@@ -322,6 +351,7 @@ class _Attempt:
         self.t0 = time.monotonic()
         self.bytes = 0
         self.download_s: float | None = None
+        self.transport: str | None = None
 
     async def record(self, outcome: SyncOutcome) -> None:
         """Write the outcome (the verdict, for a load) with the transfer's numbers."""
@@ -336,7 +366,8 @@ class _Attempt:
         server, target = self.sidecar.server, self.target
         record = syncs.SyncRecord(target.run_id, target.version, server, outcome.status, outcome.bytes,
                                   dict(outcome.timings), outcome.probe_max_abs_diff, outcome.probe_tolerance,
-                                  outcome.greedy_match, outcome.error, self.started_at, datetime.now(UTC))
+                                  outcome.greedy_match, outcome.error, self.started_at, datetime.now(UTC),
+                                  self.transport)
         with self.sidecar.db.begin() as s:
             attempt = syncs.record_sync(s, record)
             if outcome.status == "ok":
@@ -359,6 +390,11 @@ class _Attempt:
                                   time.monotonic() - self.t0, datetime.now(UTC))
 
         await asyncio.to_thread(write)
+
+
+def _available(source: Source) -> bool:
+    """Can the server load `source` now (a rollback's weights are checked before the pause)?"""
+    return source.exists() if isinstance(source, Path) else offered(source) is None
 
 
 def sync_failure_id(server: str, version: int) -> str:

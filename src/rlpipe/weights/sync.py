@@ -1,8 +1,12 @@
-"""Loading one fetched version into one running inference server, verified.
+"""Loading one version into one running inference server, verified.
 
-    pause ─▶ reload ─▶ label "verifying-<v>-<attempt>" ─▶ reset prefix cache ─▶ resume
+  [stream: stage] ─▶ pause ─▶ load ─▶ label "verifying-<v>-<attempt>" ─▶ reset prefix cache ─▶ resume
           ─▶ probe: teacher-forced logprobs within tolerance AND greedy continuation equal
           ─▶ record the verdict ─▶ label v            (or roll back to the previous weights)
+
+The load reads a fetched checkpoint directory (vLLM's reload), or takes the version from the
+trainer's stream (weights/stream.py) through the server's weight-transfer engine, which stages it
+in host memory while the server still serves, so the pause covers only the copy into the model.
 
 Why each rule:
 - The verdict is recorded before the label leaves the verifying one, so a rollout holding
@@ -18,6 +22,8 @@ Why each rule:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -27,15 +33,22 @@ from pathlib import Path
 from rlpipe.inference.admin import InferenceAdmin, PauseMode
 from rlpipe.inference.client import InferenceClient, InferenceError
 from rlpipe.weights.labels import published_label
+from rlpipe.weights.stream import StreamSource
+
+log = logging.getLogger("rlpipe.sync")
+
+Source = Path | StreamSource
+"""Where a server loads weights from: a checkpoint directory on its machine, or the trainer's stream."""
 
 
 @dataclass(frozen=True)
 class Weights:
-    """Weights a server can be loaded with: a directory on the server's machine, and the label
-    they carry once loaded (a published version, or "default" for the server's start-up weights)."""
+    """Weights a server can be loaded with: a directory on the server's machine or the trainer's
+    stream, and the label they carry once loaded (a published version, or "default" for the
+    server's start-up weights)."""
 
     label: str
-    directory: Path
+    source: Source
     run_id: str | None = None
     version: int | None = None
     probe: dict | None = None
@@ -45,7 +58,7 @@ class Weights:
 @dataclass(frozen=True)
 class SyncPlan:
     version: int
-    directory: Path
+    source: Source
     probe: dict | None
     label: str
     """What the server is labelled while the weights are verified (a published label when not)."""
@@ -79,16 +92,22 @@ RecordVerdict = Callable[[SyncOutcome], Awaitable[None]]
 
 async def load_into_server(admin: InferenceAdmin, client: InferenceClient, plan: SyncPlan,
                            record_verdict: RecordVerdict) -> SyncOutcome:
-    """Swap the server's weights for `plan.directory`, verify them, and roll back on failure.
+    """Swap the server's weights for `plan.source`, verify them, and roll back on failure.
     `record_verdict` stores the outcome; it is called once, before the server's label leaves
     `plan.label` (on success the label then becomes the published version)."""
     outcome = SyncOutcome(status="ok")
     keep = plan.mode == "keep"
+    if isinstance(plan.source, StreamSource):  # pulled while the server still serves: the pause only loads
+        staging = time.monotonic()
+        not_staged = await admin.stage_weights(plan.source)
+        outcome.timings["stage_s"] = time.monotonic() - staging
+        if not_staged:
+            log.warning("staging version %d failed (%s): it is pulled inside the pause", plan.version, not_staged)
     started = time.monotonic()
     await admin.pause(plan.mode)
     paused = time.monotonic()
     try:
-        await _swap(admin, plan.directory, plan.label, keep)
+        await _swap(admin, plan.source, plan.label, keep)
     except InferenceError as exc:
         return await _recover_from_failed_reload(admin, plan, outcome, exc, record_verdict)
     outcome.timings["reload_s"] = time.monotonic() - paused
@@ -100,8 +119,10 @@ async def load_into_server(admin: InferenceAdmin, client: InferenceClient, plan:
             await admin.update_weight_version(published_label(plan.version))
         return outcome
     checked = time.monotonic()
-    outcome.probe_max_abs_diff, outcome.probe_tolerance = await probe_logprob_diff(client, plan.probe), plan.tolerance
-    outcome.greedy_match = await probe_greedy_matches(client, plan.probe, plan.tolerance)
+    # both probes at once: the server batches them, and verification is most of a small model's sync
+    outcome.probe_max_abs_diff, outcome.greedy_match = await asyncio.gather(
+        probe_logprob_diff(client, plan.probe), probe_greedy_matches(client, plan.probe, plan.tolerance))
+    outcome.probe_tolerance = plan.tolerance
     outcome.timings["verify_s"] = time.monotonic() - checked
     mismatch = _mismatch(outcome, plan.tolerance)
     if mismatch:
@@ -195,15 +216,19 @@ def _inconclusive(plan: SyncPlan) -> str | None:
 async def _restore_or_stay_paused(admin: InferenceAdmin, plan: SyncPlan) -> None:
     """Reload the previous weights (the server is paused); raise ServerLeftPaused if that fails."""
     try:
-        await _swap(admin, plan.previous.directory, plan.previous.label, keep=plan.mode == "keep")
+        await _swap(admin, plan.previous.source, plan.previous.label, keep=plan.mode == "keep")
     except InferenceError as exc:
-        raise ServerLeftPaused(f"reloading {plan.previous.label} from {plan.previous.directory} failed too ({exc}): "
+        raise ServerLeftPaused(f"reloading {plan.previous.label} from {plan.previous.source} failed too ({exc}): "
                                "the server stays paused") from exc
 
 
-async def _swap(admin: InferenceAdmin, directory: Path, label: str, keep: bool) -> None:
-    """Reload while paused, label, and drop the KV computed by the old weights (keep mode:
-    preempt the kept requests too, so their KV is recomputed with the new weights)."""
-    await admin.reload_weights(directory)
+async def _swap(admin: InferenceAdmin, source: Source, label: str, keep: bool) -> None:
+    """Load while paused (from disk, or streamed by the server's weight-transfer engine), label,
+    and drop the KV computed by the old weights (keep mode: preempt the kept requests too, so
+    their KV is recomputed with the new weights)."""
+    if isinstance(source, StreamSource):
+        await admin.stream_weights(source)
+    else:
+        await admin.reload_weights(source)
     await admin.update_weight_version(label)
     await admin.reset_prefix_cache(reset_running=keep)
