@@ -113,6 +113,14 @@ class InferenceAdmin:
                                         json={"method": "staged_weights"}))["results"][0]
         return state.get("error")
 
+    async def streams_weights(self) -> bool:
+        """Does the server run the weight stream's transfer engine (`--weight-transfer-config`)?"""
+        try:
+            await request_json(self._http, "POST", "/collective_rpc", json={"method": "staged_weights"})
+        except RequestRejectedError:
+            return False
+        return True
+
     async def stream_weights(self, source: StreamSource) -> None:
         """Load the version `source` names through vLLM's weight-transfer routes: the server's
         engine (inference/stream_engine.py) pulls it from the trainer bucket by bucket. Like a

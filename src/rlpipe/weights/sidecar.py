@@ -157,6 +157,10 @@ class Sidecar:
         label = verifying_label(version, attempt.started_at) if config.verify else published_label(version)
         source: Source
         streamed = await asyncio.to_thread(self._streamed, target, config)
+        if streamed is not None and not await self.admin.streams_weights():
+            log.warning("server %s was started without the weight stream's engine (--weight-transfer-config): "
+                        "loading %s v%d from its file", self.server, run_id, version)
+            streamed = None
         if streamed is not None:
             source, attempt.transport = streamed, "stream"
         else:
