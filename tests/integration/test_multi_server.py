@@ -291,9 +291,7 @@ async def test_a_server_is_drained_out_of_a_running_run_and_another_joins_it_by_
                 == settings.inference_servers_by_name(), "both sidecars register their servers", timeout_s=120)
 
     # 24 steps: on the project's CI machine a 16-step run had finished before the join was refused
-    # weights by the hot path: each server's vLLM weight-transfer engine pulls them from the trainer
-    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=24, max_staleness=2, eval={"prompts": 0},
-                      sync={"transport": "stream"})
+    cfg = tiny_config(tiny_model, "tiny-calculator.toml", steps=24, max_staleness=2, eval={"prompts": 0})
     handle = await start_run(temporal_client, cfg)
     home = settings.home.resolve()
 
@@ -371,12 +369,6 @@ async def test_a_server_is_drained_out_of_a_running_run_and_another_joins_it_by_
     assert on_joiner, f"{JOINER} took no rollouts after it joined"
     assert all(t.created_at > first.finished_at - LABEL_SLACK and t.version_before >= first.version
                for t in on_joiner), f"{JOINER} sampled before it verified the version it joined on"
-
-    # every verified load, the joiner's included, came through the trainer's stream: no file moved
-    loads = rows(migrated_db, "select server, version, transport, bytes, download_s from sync_events "
-                              "where run_id = :r and status = 'ok'", r=cfg.name)
-    assert {e.server for e in loads} == {"0", "1", JOINER}
-    assert [e for e in loads if (e.transport, e.bytes, e.download_s) != ("stream", 0, None)] == []
 
 
 JOINER = "gpu-b"
