@@ -86,7 +86,9 @@ async def test_failing_grader_is_retried_recorded_and_the_run_pauses_saying_why(
         await asyncio.sleep(0.5)
     # every group failed, so the run stopped starting groups rather than burn compute on the fault
     assert status.step == 0 and status.groups_failed >= 3 and status.phase == "paused"
-    assert status.pause_reason is not None and "3 groups in a row failed" in status.pause_reason
+    # groups in flight when the third failed may fail in the same workflow task: the reason counts them all
+    in_a_row = re.match(r"paused after (\d+) groups in a row failed", status.pause_reason or "")
+    assert in_a_row is not None and int(in_a_row[1]) >= 3, status.pause_reason
     assert "grading failed" in status.pause_reason, status.pause_reason
     assert run[0].status_reason == status.pause_reason  # SQL says why too
     grading = rows(migrated_db, "select workflow_id, activity_id, attempt, error_type from failures where "
