@@ -114,6 +114,10 @@ ZERO_STD_WARN = 0.6
 ZERO_STD_PROBLEM = 0.9
 """Consumed groups whose samples all got the same reward: their GRPO advantages are zero, so
 they add nothing to the gradient. At 90% the run barely learns, with no NaN to show for it."""
+MIN_GROUPS_FOR_SIGNAL = 16
+"""Below this many consumed groups the share is too noisy to call a problem (a warning at most): a
+policy right 1 time in 10 gives all-wrong groups of 4 two times in three, so 8 such groups are all
+uniform ~3% of the time by chance; with 16, ~0.1%."""
 SERVER_LAG_WARN = 2
 """Published versions a server is behind at the end of the run; one is a sync in progress."""
 FAILED_ATTEMPTS_WARN = 0.05
@@ -437,14 +441,22 @@ def check_kl(f: RunFacts) -> Finding:
 
 
 def check_learning_signal(f: RunFacts) -> Finding:
+    return learning_signal(f.groups)
+
+
+def learning_signal(groups: q.GroupCounts) -> Finding:
     """Do the groups carry any advantage at all?"""
-    if f.groups.consumed == 0:
+    if groups.consumed == 0:
         return Finding(LEARNING_SIGNAL, "ok", {"consumed_groups": 0}, "no consumed groups yet")
-    share = f.groups.zero_std_consumed / f.groups.consumed
-    evidence = {"consumed_groups": f.groups.consumed, "zero_std_share": _r(share),
-                "uninformative_dropped": f.groups.uninformative_dropped}
+    share = groups.zero_std_consumed / groups.consumed
+    evidence = {"consumed_groups": groups.consumed, "zero_std_share": _r(share),
+                "uninformative_dropped": groups.uninformative_dropped}
     remedy = ("make the task's difficulty match the policy (env.difficulty), raise rollout.group_size, "
               "grade with partial credit, or drop such groups before training (rollout.dynamic_sampling)")
+    if share >= ZERO_STD_PROBLEM and groups.consumed < MIN_GROUPS_FOR_SIGNAL:
+        return Finding(LEARNING_SIGNAL, "warn", evidence,
+                       f"{share:.0%} of the groups carry no advantage, but only {groups.consumed} were consumed: "
+                       f"too few to judge (fewer than {MIN_GROUPS_FOR_SIGNAL})", remedy)
     if share >= ZERO_STD_PROBLEM:
         return Finding(LEARNING_SIGNAL, "problem", evidence,
                        f"{share:.0%} of the groups got one reward for every sample: their advantages are zero and "
