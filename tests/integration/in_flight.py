@@ -43,10 +43,10 @@ async def until_generating(server_url: str, tokens: int = 2 * IN_FLIGHT, running
     least `running` requests (so a sync now lands mid-generation of most of the burst). Fewer
     tokens than LONG: no request of the burst can have finished yet."""
     async with httpx.AsyncClient(base_url=server_url, timeout=30) as http:
-        before = _metric(_GENERATED, (await http.get("/metrics")).text)
+        before = _metric(_GENERATED, await _metrics(http))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            text = (await http.get("/metrics")).text
+            text = await _metrics(http)
             if _metric(_GENERATED, text) - before >= tokens and _metric(_RUNNING, text) >= running:
                 return
             await asyncio.sleep(0.02)
@@ -55,3 +55,14 @@ async def until_generating(server_url: str, tokens: int = 2 * IN_FLIGHT, running
         f"{timeout_s:.0f}s, running {_metric(_RUNNING, text):.0f} requests of the {running} wanted "
         f"(waiting {_metric(_WAITING, text):.0f})"
     )
+
+
+async def _metrics(http: httpx.AsyncClient, attempts: int = 3) -> str:
+    """The server's /metrics text. A busy server may drop the poll's kept-alive connection without
+    an answer (seen once under a keep-mode race); the poll then asks again on a new one."""
+    for _ in range(attempts - 1):
+        try:
+            return (await http.get("/metrics")).text
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            continue
+    return (await http.get("/metrics")).text

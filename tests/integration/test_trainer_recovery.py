@@ -70,6 +70,7 @@ from rlpipe.weights.checkpoints import (
     stored_versions,
     train_state_key,
 )
+from rlpipe.weights.stream import StreamSource, WeightStreamServer, offered
 
 pytestmark = pytest.mark.stack
 
@@ -333,24 +334,35 @@ def test_a_version_whose_upload_never_finished_is_uploaded_or_recreated(
     """Version 2 (step 4) is committed, but its upload died with its trainer: its manifest never
     reached S3 (nor, on another machine, its optimizer state). The next trainer uploads it from the
     machine's cache when it runs on the same machine, and otherwise re-creates it by replaying steps
-    1..4 from version 0, with the committed weights' sha256, before it trains step 5."""
+    1..4 from version 0, with the committed weights' sha256, before it trains step 5. Either way the
+    servers can stream it from the new trainer: its row names the new trainer's weight stream."""
     _, want = uninterrupted(1, False, False)
     cfg = new_run(migrated_db, tiny_model, 1)
+    first_stream, second_stream = WeightStreamServer().start(), WeightStreamServer().start()
+    first_endpoint = first_stream.endpoint
     first = Trainer(migrated_db, object_store, RunContexts(migrated_db), tmp_path / "work-1",
-                    background_uploads=True)
+                    background_uploads=True, stream=first_stream)
     try:
         run_steps(first, cfg, range(1, 5))
     finally:
         first.shutdown()
+        first_stream.close()  # gone with its trainer
     object_store.delete(manifest_key(cfg.name, 2))
     if not same_machine:
         delete_train_state(object_store, cfg.name, 4)
     second = Trainer(migrated_db, object_store, RunContexts(migrated_db),
-                     tmp_path / ("work-1" if same_machine else "work-2"), background_uploads=True)
+                     tmp_path / ("work-1" if same_machine else "work-2"), background_uploads=True,
+                     stream=second_stream)
     try:
         run_steps(second, cfg, range(5, STEPS + 1))
+        with migrated_db.begin() as s:
+            endpoints = dict(s.execute(sa.text("select version, stream_endpoint from policy_versions "
+                                               "where run_id = :r"), {"r": cfg.name}).all())
+        assert endpoints[1] == first_endpoint and endpoints[2] == second_stream.endpoint, endpoints
+        assert offered(StreamSource(endpoints[2], cfg.name, 2)) is None, "the new trainer serves version 2"
     finally:
         second.shutdown()
+        second_stream.close()
     assert_same_final_state(final_state(migrated_db, object_store, cfg.name, tmp_path), want)
     with migrated_db.begin() as s:
         committed = s.execute(sa.text("select sha256 from policy_versions where run_id = :r and version = 2"),

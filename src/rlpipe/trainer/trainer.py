@@ -260,9 +260,21 @@ class Trainer:
                 log.info("uploading version %d of run %s from this machine's copy (its upload never finished)",
                          row.version, run_id)
                 upload_described(self.store, manifest, cached)
+                self._serve_again(run_id, row.version, cached)
             else:
                 lost[row.trained_steps] = row
         return lost
+
+    def _serve_again(self, run_id: str, version: int, directory: Path) -> None:
+        """A committed version this trainer holds again after a restart (its bytes checked against the
+        committed sha256): the servers stream it from here, so its row names this trainer's stream
+        rather than the one that died with the trainer that made it."""
+        if self.stream is None:
+            return
+        self.stream.offer(run_id, version, directory)
+        with self.db.begin() as s:
+            s.execute(sa.update(PolicyVersion).where(PolicyVersion.run_id == run_id, PolicyVersion.version == version)
+                      .values(stream_endpoint=self.stream.endpoint))
 
     def _open_legacy_state(self, ctx: RunContext, base: PolicyVersion, tmp: Path) -> None:
         """Restore from a recovery state stored as one file (runs from before per-rank states)."""
@@ -361,13 +373,15 @@ class Trainer:
                 shutil.rmtree(cached, ignore_errors=True)  # a failed try's files: replaced by this step's
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 directory.rename(cached)  # whole or not at all (same filesystem)
-        if self.stream is not None:
-            self.stream.offer(run_id, version, cached)  # servers may pull it from now on
         with timed(timings, "hash_s"):
             manifest = describe_checkpoint(run_id, version, trained_steps, cached, {WEIGHTS_FILE: saved.sha256})
         if expect_sha256 is not None and manifest.weights.sha256 != expect_sha256:
             raise RuntimeError(f"replaying run {run_id} to step {trained_steps} re-created version {version} with "
                                f"weights {manifest.weights.sha256}, not the committed {expect_sha256}")
+        if expect_sha256 is not None:
+            self._serve_again(run_id, version, cached)
+        elif self.stream is not None:
+            self.stream.offer(run_id, version, cached)  # servers may pull it from now on
         state_dir = None
         if trained_steps > 0 and self._stores_train_state(ctx, trained_steps):
             with timed(timings, "train_state_s"):
