@@ -518,8 +518,6 @@ def timed(into: dict[str, float], key: str) -> Iterator[None]:
         into[key] = time.monotonic() - t0
 
 
-
-
 def _published(row: PolicyVersion) -> PublishedVersion:
     return PublishedVersion(row.version, row.trained_steps, row.checkpoint_key, row.sha256)
 

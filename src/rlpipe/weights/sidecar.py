@@ -156,11 +156,7 @@ class Sidecar:
             return self._observed(target, outcome)
         label = verifying_label(version, attempt.started_at) if config.verify else published_label(version)
         source: Source
-        streamed = await asyncio.to_thread(self._streamed, target, config)
-        if streamed is not None and not await self.admin.streams_weights():
-            log.warning("server %s was started without the weight stream's engine (--weight-transfer-config): "
-                        "loading %s v%d from its file", self.server, run_id, version)
-            streamed = None
+        streamed = await self._streamed(target, config)
         if streamed is not None:
             source, attempt.transport = streamed, "stream"
         else:
@@ -212,14 +208,16 @@ class Sidecar:
         fetched = download_checkpoint(self.store, manifest, directory)
         return directory, fetched, time.monotonic() - t0
 
-    def _streamed(self, target: Published, config: SyncConfig) -> StreamSource | None:
-        """The trainer's stream of the version, when the run syncs by stream and the trainer still
-        serves it (a restarted trainer, or a version retention deleted, does not: the file path then
-        loads the durable copy)."""
+    async def _streamed(self, target: Published, config: SyncConfig) -> StreamSource | None:
+        """The trainer's stream of the version, when the run syncs by stream, the trainer still serves
+        it (a restarted trainer, or a version retention deleted, does not) and the server runs the
+        stream's engine; otherwise None, and the file path loads the durable copy."""
         if config.transport != "stream" or target.stream_endpoint is None:
             return None
         source = StreamSource(target.stream_endpoint, target.run_id, target.version, self.admin_token)
-        why_not = offered(source)
+        why_not = await asyncio.to_thread(offered, source)
+        if why_not is None and not await self.admin.streams_weights():
+            why_not = "the server was started without the weight stream's engine (--weight-transfer-config)"
         if why_not is None:
             return source
         log.warning("%s v%d cannot be streamed to server %s (%s): loading its durable copy", target.run_id,
